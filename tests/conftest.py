@@ -1,0 +1,48 @@
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "ppo_atari_multigpu.py"
+sys.path.insert(0, str(ROOT))
+
+# Tiny settings shared by the end-to-end runs: 2 envs x 32 steps, one epoch, two iterations.
+TINY = ["--no-cuda", "--local-num-envs", "2", "--num-steps", "32", "--update-epochs", "1",
+        "--num-minibatches", "2"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def run_trainer(tmp_path):
+    """Run the trainer (plain python or torchrun) in tmp_path; returns the CompletedProcess."""
+
+    def run(*args, nproc=None, launcher=None, timeout=180):
+        if launcher is not None:
+            cmd = launcher
+        elif nproc is None:
+            cmd = [sys.executable, str(SCRIPT)]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}", str(SCRIPT)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.run(cmd + [str(a) for a in args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+
+    return run
+
+
+def scalar_tags(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
