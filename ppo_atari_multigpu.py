@@ -4,8 +4,11 @@
 # Every rank steps its own envs and computes gradients on its own samples; before each optimizer
 # step ONE flat buffer holding all gradients is all-reduced and averaged, so every replica takes
 # the same step and the weights stay bit-identical across ranks.
+import atexit
 import datetime
 import difflib
+import glob
+import math
 import os
 import random
 import sys
@@ -58,6 +61,20 @@ class Args:
     """torch CPU threads per rank (default: cores // ranks on this node, at least 1)"""
     pg_timeout: float = 600.0
     """seconds a collective may wait for a peer before the run fails (a dead rank ends the run)"""
+
+    # Checkpoints, resume and evaluation
+    save_interval: int = 50
+    """save a checkpoint every this many iterations, and always at the end (0: only at the end)"""
+    save_minutes: float = 0.0
+    """also save when this many minutes have passed since the last checkpoint (0: off)"""
+    keep_checkpoints: int = 3
+    """how many of the latest checkpoints to keep in runs/<run_name>/checkpoints"""
+    resume: Optional[str] = None
+    """`auto`: continue from this run's latest checkpoint (or start fresh if none); or a checkpoint path"""
+    eval_episodes: int = 10
+    """full games played by the final model, logged as eval/episodic_return (0: skip)"""
+    eval_checkpoint: Optional[str] = None
+    """evaluation only: load this model or checkpoint, play --eval-episodes games, print the returns"""
 
     # Algorithm specific arguments
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -190,10 +207,11 @@ class EpisodicLife(gym.Wrapper):
 
     def reset(self, **kwargs):
         obs, info = None, {}
-        if not self.game_over:  # a life was lost: continue the same game with a no-op
+        seeded = kwargs.get("seed") is not None or kwargs.get("options") is not None
+        if not self.game_over and not seeded:  # a life was lost: continue the same game with a no-op
             obs, _, terminated, truncated, info = self.env.step(0)
             self.game_over = terminated or truncated
-        if self.game_over:
+        if self.game_over or seeded:
             obs, info = self.env.reset(**kwargs)
             self.game_over = False
         self.lives = self.env.unwrapped.ale.lives()
@@ -212,7 +230,7 @@ class FireReset(gym.Wrapper):
         return obs, info
 
 
-def make_env(env_id, idx, capture_video, run_name):
+def make_env(env_id, idx, capture_video, run_name, episodic_life=True):
     def thunk():
         # v5 ids skip 4 frames inside the emulator; frames must be skipped once, in AtariPreprocessing
         kwargs = {"frameskip": 1} if gym.spec(env_id).kwargs.get("frameskip", 1) != 1 else {}
@@ -224,7 +242,8 @@ def make_env(env_id, idx, capture_video, run_name):
         env = gym.wrappers.RecordEpisodeStatistics(env)  # innermost: the real game's return and length
         env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
                                               terminal_on_life_loss=False, grayscale_obs=True)
-        env = EpisodicLife(env)
+        if episodic_life:  # off for evaluation: a game then ends only at game over
+            env = EpisodicLife(env)
         if env.unwrapped.get_action_meanings()[1] == "FIRE":
             env = FireReset(env)
         env = gym.wrappers.TransformReward(env, lambda r: float(np.sign(r)))
@@ -262,7 +281,8 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x, action=None):
         hidden = self.network(x / 255.0)
-        probs = Categorical(logits=self.actor(hidden))
+        # no validation: a NaN must reach the non-finite check below, not raise deep in torch
+        probs = Categorical(logits=self.actor(hidden), validate_args=False)
         if action is None:
             action = probs.sample()
         return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
@@ -355,8 +375,103 @@ def minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds, world_
     return time.perf_counter() - t
 
 
+# ---- checkpoints: atomic writes, validated reads, RNG states of every rank ----
+def rng_state():
+    kind, keys, pos, has_gauss, cached = np.random.get_state()  # stored as tensors: loads with weights_only
+    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos,
+                                                   has_gauss, cached), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(ckpt, ckpt_dir, keep):
+    """Write to a temp file, fsync, then rename: a crash mid-write leaves only a *.tmp file, which
+    neither `--resume auto` nor the pruning below ever picks up."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, f"ckpt_{ckpt['iteration']:08d}.pt")
+    with open(path + ".tmp", "wb") as f:
+        torch.save(ckpt, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    dir_fd = os.open(ckpt_dir, os.O_RDONLY)  # make the rename itself durable
+    os.fsync(dir_fd)
+    os.close(dir_fd)
+    for old in sorted(glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt")))[:-keep]:
+        os.remove(old)
+    return path
+
+
+def latest_checkpoint(ckpt_dir):
+    found = sorted(glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt")))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path, num_actions):
+    """A checkpoint (or a bare model state_dict) that fits this env and network, or ValueError."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path} does not exist")
+    except Exception as e:
+        raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?): {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:160]}")
+    ckpt = ckpt if isinstance(ckpt, dict) and "model" in ckpt else {"model": ckpt}
+    model = ckpt["model"]
+    if not isinstance(model, dict) or "actor.weight" not in model:
+        raise ValueError(f"checkpoint {path} holds no PPO Atari model")
+    if model["actor.weight"].shape[0] != num_actions:
+        raise ValueError(f"checkpoint {path} was trained with {model['actor.weight'].shape[0]} actions "
+                         f"({ckpt.get('args', {}).get('env_id', 'unknown env')}); this env has {num_actions}")
+    try:
+        Agent(num_actions).load_state_dict(model)
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint {path} does not fit the network: {' '.join(str(e).split())[:200]}")
+    return ckpt
+
+
+def evaluate(agent, env_id, episodes, device, capture_video, run_name, seed):
+    """Real game returns of `episodes` full games (episodic life off), one game per env at a time;
+    each env contributes the same number of games, so short games are not over-represented."""
+    n_envs = min(episodes, 16)
+    quota = math.ceil(episodes / n_envs)
+    envs = gym.vector.SyncVectorEnv(
+        [make_env(env_id, i, capture_video, f"{run_name}-eval", episodic_life=False) for i in range(n_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    games = [[] for _ in range(n_envs)]
+    next_obs, _ = envs.reset(seed=env_seeds(seed + 10**6, 0, n_envs))  # unseen games
+    while min(len(g) for g in games) < quota:
+        with torch.inference_mode():
+            action, _, _, _ = agent.get_action_and_value(torch.as_tensor(next_obs, device=device))
+        next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
+        if "final_info" in infos and "episode" in infos["final_info"]:
+            for i in np.flatnonzero(infos["final_info"]["_episode"]):
+                games[i].append(float(infos["final_info"]["episode"]["r"][i]))
+    envs.close()
+    return [g[k] for k in range(quota) for g in games][:episodes]
+
+
 def env_seeds(seed, rank, local_num_envs):
     return [seed + rank * local_num_envs + i for i in range(local_num_envs)]
+
+
+def explain_crash(exc_type, exc, tb):
+    """Keep the traceback, but end with one line that says which rank failed and why; a failed
+    collective nearly always means that a peer died or hung, which gloo/nccl do not say plainly."""
+    sys.__excepthook__(exc_type, exc, tb)
+    msg = (str(exc).strip().splitlines() or [exc_type.__name__])[0][:300]
+    if dist.is_initialized() and isinstance(exc, RuntimeError) and any(
+            k in msg for k in ("Timed out", "timed out", "closed by peer", "Connection reset", "NCCL")):
+        msg = f"a collective failed: a peer rank died or stopped responding (--pg-timeout {args.pg_timeout:g}s) [{msg}]"
+    print(f"error [rank {rank}]: {exc_type.__name__}: {msg}", file=sys.stderr, flush=True)
 
 
 def fail(msg, rank=0, world_size=1):
@@ -374,6 +489,7 @@ if __name__ == "__main__":
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     master_process = rank == 0
+    sys.excepthook = explain_crash
 
     # Validate everything BEFORE any collective: every rank reaches the same verdict and exits,
     # so bad input can never leave a peer waiting in a collective.
@@ -408,18 +524,46 @@ if __name__ == "__main__":
     # ranks on one node share its cores; torchrun's OMP_NUM_THREADS=1 would leave cores idle
     torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size))
 
+    # ---- evaluation-only mode: rank 0 plays --eval-episodes games with a saved model ----
+    if args.eval_checkpoint:
+        if master_process:
+            agent = Agent(gym.make(args.env_id).action_space.n).to(device)
+            try:
+                agent.load_state_dict(load_checkpoint(args.eval_checkpoint, agent.actor.out_features)["model"])
+            except ValueError as e:
+                fail(e)
+            returns = evaluate(agent, args.env_id, args.eval_episodes, device, args.capture_video,
+                               os.path.basename(args.eval_checkpoint), args.seed)
+            print(f"eval {args.eval_checkpoint} on {args.env_id}: {len(returns)} episodes, return "
+                  f"{np.mean(returns):.2f} +- {np.std(returns):.2f} (min {min(returns):g}, max {max(returns):g})")
+        sys.exit(0)
+
     if distributed:
+        timeout = datetime.timedelta(seconds=args.pg_timeout)
+        store = None
+        if backend != "mpi":
+            # torchrun keeps one key-value store across --max-restarts: a per-attempt prefix stops
+            # restarted ranks from reading the addresses of the ranks they replace
+            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, timeout=timeout,
+                is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"))
         # the global RANK (not LOCAL_RANK) names this process in the group: right on many nodes
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=args.pg_timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     elif master_process:
         print("single process (launch with `torchrun --nproc_per_node=N` for data parallelism)")
 
-    # one run name for all ranks: rank 0's clock decides the timestamp
-    run_name = [args.run_name or f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"]
+    # One run name for all ranks, decided by rank 0: with `--resume auto` the latest run of this
+    # env/exp/seed that has a checkpoint (so a restarted job finds its own), else a new timestamp.
+    run_name = [args.run_name]
+    if master_process and run_name[0] is None:
+        prefix = f"{args.env_id}__{args.exp_name}__{args.seed}__"
+        earlier = sorted(glob.glob(f"runs/{prefix}*/checkpoints/ckpt_*.pt"), key=os.path.getmtime)
+        run_name = [os.path.relpath(earlier[-1], "runs").split(os.sep + "checkpoints")[0]
+                    if args.resume == "auto" and earlier else f"{prefix}{int(time.time())}"]
     if distributed:
         dist.broadcast_object_list(run_name, src=0)
     run_name = args.run_name = run_name[0]
+    ckpt_dir = f"runs/{run_name}/checkpoints"
 
     if master_process:
         print(f"run {run_name}: {world_size} rank(s), backend {backend if distributed else '-'}, "
@@ -434,9 +578,6 @@ if __name__ == "__main__":
 
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
                        config=vars(args), name=run_name, monitor_gym=True, save_code=True)
-        writer = SummaryWriter(f"runs/{run_name}")
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % (
-            "\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])))
 
     # Seeding: distinct env seeds on every rank; python/numpy/torch streams differ per rank
     random.seed(args.seed + rank)
@@ -459,6 +600,38 @@ if __name__ == "__main__":
     n_params = sum(p.numel() for p in params)
     flat_grads = flat_grad_buffer(params, NUM_STATS)
 
+    # ---- resume: rank 0 reads the checkpoint and sends it to every rank (no shared disk needed) ----
+    start_iteration, global_step, elapsed_before, ckpt = 1, 0, 0.0, None
+    if args.resume and master_process:
+        path = latest_checkpoint(ckpt_dir) if args.resume == "auto" else args.resume
+        try:
+            ckpt = load_checkpoint(path, envs.single_action_space.n) if path else None
+        except ValueError as e:
+            ckpt = str(e)  # every rank must hear about it, not just rank 0
+    if args.resume and distributed:
+        box = [ckpt]
+        dist.broadcast_object_list(box, src=0)
+        ckpt = box[0]
+    if isinstance(ckpt, str):
+        fail(ckpt, rank, world_size)
+    if ckpt is not None:
+        agent.load_state_dict(ckpt["model"])  # copies in place: the grad views stay valid
+        optimizer.load_state_dict(ckpt["optimizer"])
+        global_step, elapsed_before = ckpt["global_step"], ckpt["elapsed"]
+        start_iteration = global_step // args.batch_size + 1
+        if ckpt["world_size"] == world_size:
+            set_rng_state(ckpt["rng"][rank])
+        if master_process:
+            print(f"resumed {path}: iteration {start_iteration}, global step {global_step}; environments "
+                  f"start fresh" + ("" if ckpt["world_size"] == world_size else
+                                    f"; world size {ckpt['world_size']} -> {world_size}, RNGs not restored"))
+    if master_process:
+        # purge_step: TensorBoard hides what a crashed run logged after its last checkpoint
+        writer = SummaryWriter(f"runs/{run_name}", purge_step=global_step + 1 if ckpt else None)
+        atexit.register(writer.close)  # flush the logs even when the run fails
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % (
+            "\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])))
+
     # Rollout storage (observations stay uint8: a float copy would be 4x the memory)
     obs = torch.zeros((args.num_steps, args.local_num_envs) + envs.single_observation_space.shape,
                       dtype=torch.uint8, device=device)
@@ -468,15 +641,15 @@ if __name__ == "__main__":
     dones = torch.zeros((args.num_steps, args.local_num_envs), device=device)
     values = torch.zeros((args.num_steps, args.local_num_envs), device=device)
 
-    global_step = 0
     recent_returns = deque(maxlen=100)
     num_episodes = 0
-    start_time = time.time()
-    next_obs, _ = envs.reset(seed=env_seeds(args.seed, rank, args.local_num_envs))
+    start_time = last_save = time.time()
+    # a resumed run gets fresh envs with seeds no earlier start used
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed + global_step, rank, args.local_num_envs))
     next_obs = torch.as_tensor(next_obs, device=device)
     next_done = torch.zeros(args.local_num_envs, device=device)
 
-    for iteration in range(1, args.num_iterations + 1):
+    for iteration in range(start_iteration, args.num_iterations + 1):
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
@@ -540,11 +713,20 @@ if __name__ == "__main__":
                 break
         update_time = time.perf_counter() - t_update
 
+        # ---- stop on non-finite numbers before they can reach a checkpoint (same verdict on all ranks) ----
+        if not torch.isfinite(flat_grads[n_params:]).all():
+            fail(f"non-finite loss at iteration {iteration}, global step {global_step}: " + ", ".join(
+                f"{k}={v:g}" for k, v in zip(("policy_loss", "value_loss", "entropy", "old_approx_kl",
+                                               "approx_kl", "clipfrac"), flat_grads[n_params:].tolist())),
+                 rank, world_size)
+        if not torch.isfinite(flat_grads[:n_params]).all():
+            fail(f"non-finite gradient at iteration {iteration}, global step {global_step}", rank, world_size)
+
         # ---- logging: episodes and timings of every rank, losses averaged over ranks ----
         y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
         var_y = np.var(y_true)
         explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
-        report = {"episodes": episodes, "ev": explained_var,
+        report = {"episodes": episodes, "ev": explained_var, "rng": rng_state(),
                   "times": {"rollout": rollout_time, "env": env_time, "update": update_time,
                             "allreduce": allreduce_time}}
         reports = [report]
@@ -558,7 +740,7 @@ if __name__ == "__main__":
                 writer.add_scalar("charts/episodic_length", length, step_at)
                 recent_returns.append(ret)
                 num_episodes += 1
-            sps = int(global_step / (time.time() - start_time))
+            sps = int(global_step / (elapsed_before + time.time() - start_time))
             writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
             writer.add_scalar("losses/value_loss", v_loss, global_step)
             writer.add_scalar("losses/policy_loss", pg_loss, global_step)
@@ -575,6 +757,16 @@ if __name__ == "__main__":
             print(f"iter {iteration}/{args.num_iterations} | step {global_step} | SPS {sps} | "
                   f"return {mean_return} (last {len(recent_returns)} of {num_episodes} episodes)", flush=True)
 
+        # ---- checkpoint: every --save-interval iterations, every --save-minutes, and at the end ----
+        if master_process and (iteration == args.num_iterations
+                               or (args.save_interval and iteration % args.save_interval == 0)
+                               or (args.save_minutes and time.time() - last_save > 60 * args.save_minutes)):
+            save_checkpoint({"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+                             "iteration": iteration, "global_step": global_step, "args": vars(args),
+                             "rng": [r["rng"] for r in reports], "world_size": world_size,
+                             "elapsed": elapsed_before + time.time() - start_time}, ckpt_dir, args.keep_checkpoints)
+            last_save = time.time()
+
     # Replicas must still agree: compare every rank's weights with rank 0's (one broadcast)
     replicas_identical = True
     if distributed:
@@ -584,15 +776,24 @@ if __name__ == "__main__":
         same = torch.tensor([float(torch.equal(flat_params, reference))], device=device)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         replicas_identical = bool(same.item())
+    envs.close()
+    if distributed:
+        dist.destroy_process_group()  # evaluation below is rank 0's alone: no peer waits on it
     if master_process:
-        elapsed = time.time() - start_time
+        elapsed = elapsed_before + time.time() - start_time
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
         print(f"done: {global_step} steps in {datetime.timedelta(seconds=int(elapsed))}, "
               f"SPS {int(global_step / elapsed)}, mean return (last {len(recent_returns)} episodes) "
               f"{mean_return}, {num_episodes} episodes, replicas identical: {replicas_identical}", flush=True)
+        model_path = f"runs/{run_name}/{args.exp_name}.model"
+        torch.save(agent.state_dict(), model_path)
+        if args.eval_episodes > 0:
+            returns = evaluate(agent, args.env_id, args.eval_episodes, device, args.capture_video, run_name,
+                               args.seed)
+            for idx, episodic_return in enumerate(returns):
+                writer.add_scalar("eval/episodic_return", episodic_return, idx)
+            print(f"eval {model_path}: {len(returns)} episodes, return {np.mean(returns):.2f} "
+                  f"+- {np.std(returns):.2f}", flush=True)
         writer.close()
-    envs.close()
-    if distributed:
-        dist.destroy_process_group()
     if not replicas_identical:
         sys.exit(1)
