@@ -5,6 +5,7 @@
 # step ONE flat buffer holding all gradients is all-reduced and averaged, so every replica takes
 # the same step and the weights stay bit-identical across ranks.
 import atexit
+import contextlib
 import datetime
 import difflib
 import glob
@@ -75,6 +76,14 @@ class Args:
     """full games played by the final model, logged as eval/episodic_return (0: skip)"""
     eval_checkpoint: Optional[str] = None
     """evaluation only: load this model or checkpoint, play --eval-episodes games, print the returns"""
+
+    # Performance (README "Performance"): the defaults keep CleanRL's math
+    channels_last: bool = True
+    """keep conv weights channels-last: faster oneDNN/cuDNN kernels, same math (other rounding)"""
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    """autocast precision for rollout and update (fp16 adds a GradScaler); opt-in: changes the numbers"""
+    compile: bool = False
+    """torch.compile the convolutional trunk"""
 
     # Algorithm specific arguments
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -277,15 +286,19 @@ class Agent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def get_value(self, x):
-        return self.critic(self.network(x / 255.0))
+        hidden = self.network(x / 255.0).float()
+        with torch.autocast(x.device.type, enabled=False):  # heads in fp32 even under --amp
+            return self.critic(hidden)
 
     def get_action_and_value(self, x, action=None):
-        hidden = self.network(x / 255.0)
-        # no validation: a NaN must reach the non-finite check below, not raise deep in torch
-        probs = Categorical(logits=self.actor(hidden), validate_args=False)
-        if action is None:
-            action = probs.sample()
-        return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
+        hidden = self.network(x / 255.0).float()
+        # fp32 heads even under --amp: PPO's ratio exp(new - old log-prob) needs more than bf16's
+        # 8 mantissa bits. No validation: a NaN must reach the non-finite check, not raise in torch.
+        with torch.autocast(x.device.type, enabled=False):
+            probs = Categorical(logits=self.actor(hidden), validate_args=False)
+            if action is None:
+                action = probs.sample()
+            return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
 
 
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
@@ -342,19 +355,21 @@ def ppo_loss(agent, args, obs, actions, logprobs, advantages, returns, values):
 
 
 def flat_grad_buffer(params, extra):
-    """One buffer for all gradients (each .grad is a view into it) plus `extra` slots at the end
-    for statistics: a single all_reduce then averages both, with no cat / copy-back."""
+    """One buffer for all gradients (each .grad is a view into it, with its parameter's strides,
+    e.g. channels-last) plus `extra` slots at the end for statistics: a single all_reduce then
+    averages both, with no cat / copy-back."""
     flat = torch.zeros(sum(p.numel() for p in params) + extra, device=params[0].device)
     offset = 0
     for p in params:
-        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        p.grad = flat.as_strided(p.shape, p.stride(), offset)
         offset += p.numel()
     return flat
 
 
-def minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds, world_size):
-    """Leave in flat_grads the gradient of one minibatch averaged over all ranks, followed by
-    its averaged statistics. Returns the seconds spent in the all-reduce."""
+def minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds, world_size,
+                       autocast=contextlib.nullcontext(), scaler=None):
+    """Leave in flat_grads the gradient of one minibatch averaged over all ranks (scaled by the
+    fp16 GradScaler if any), followed by its averaged statistics. Returns the all-reduce seconds."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
     if args.norm_adv:
@@ -363,9 +378,10 @@ def minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds, world_
     micro = len(mb_inds) // args.grad_accum
     for m in range(0, len(mb_inds), micro):  # gradient accumulation: sum of micro-batch means / K
         i = mb_inds[m : m + micro]
-        loss, stats = ppo_loss(agent, args, b_obs[i], b_actions[i], b_logprobs[i],
-                               mb_advantages[m : m + micro], b_returns[i], b_values[i])
-        (loss / args.grad_accum).backward()
+        with autocast:
+            loss, stats = ppo_loss(agent, args, b_obs[i], b_actions[i], b_logprobs[i],
+                                   mb_advantages[m : m + micro], b_returns[i], b_values[i])
+        (loss / args.grad_accum if scaler is None else scaler.scale(loss / args.grad_accum)).backward()
         flat_grads[n_params:] += stats / args.grad_accum
     if world_size == 1:
         return 0.0
@@ -595,6 +611,14 @@ if __name__ == "__main__":
         flat_params = nn.utils.parameters_to_vector(agent.parameters())
         dist.broadcast(flat_params, src=0)
         nn.utils.vector_to_parameters(flat_params, agent.parameters())
+    if args.channels_last:
+        agent = agent.to(memory_format=torch.channels_last)
+    if args.compile:
+        agent.network.compile()  # in place: state_dict keys (checkpoints) stay the same
+    # ---- mixed precision (opt-in): one autocast context for rollout and update ----
+    autocast = contextlib.nullcontext() if args.amp == "none" else torch.autocast(
+        device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
+    scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
@@ -660,7 +684,7 @@ if __name__ == "__main__":
             global_step += args.num_envs
             obs[step] = next_obs
             dones[step] = next_done
-            with torch.inference_mode():
+            with torch.inference_mode(), autocast:
                 action, logprob, _, value = agent.get_action_and_value(next_obs)
             values[step] = value.flatten()
             actions[step] = action
@@ -673,7 +697,7 @@ if __name__ == "__main__":
                 # A time limit is not a real end: bootstrap from the value of the final observation
                 cut = np.flatnonzero(truncations & ~terminations)
                 if len(cut):
-                    with torch.inference_mode():
+                    with torch.inference_mode(), autocast:
                         final_value = agent.get_value(torch.as_tensor(infos["final_obs"][cut], device=device))
                     reward[cut] += args.gamma * final_value.flatten().cpu().numpy()
                 if "episode" in infos["final_info"]:
@@ -687,7 +711,7 @@ if __name__ == "__main__":
 
         # ---- advantages (GAE) ----
         t_update = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             next_value = agent.get_value(next_obs).reshape(1, -1)
             advantages, returns = compute_gae(rewards, values, dones, next_value, next_done,
                                               args.gamma, args.gae_lambda)
@@ -703,9 +727,16 @@ if __name__ == "__main__":
             np.random.shuffle(b_inds)
             for start in range(0, args.local_batch_size, args.local_minibatch_size):
                 mb_inds = b_inds[start : start + args.local_minibatch_size]
-                allreduce_time += minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds, world_size)
-                nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                optimizer.step()
+                allreduce_time += minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds,
+                                                     world_size, autocast, scaler)
+                if scaler is None:
+                    nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                    optimizer.step()
+                else:  # fp16: unscale before clipping; a step with inf/NaN is skipped on every rank alike
+                    scaler.unscale_(optimizer)
+                    nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                    scaler.step(optimizer)
+                    scaler.update()
                 clipfrac_sum += flat_grads[n_params + 5]
                 num_updates += 1
             # every rank reads the same all-reduced KL, so every rank stops at the same step
@@ -719,7 +750,7 @@ if __name__ == "__main__":
                 f"{k}={v:g}" for k, v in zip(("policy_loss", "value_loss", "entropy", "old_approx_kl",
                                                "approx_kl", "clipfrac"), flat_grads[n_params:].tolist())),
                  rank, world_size)
-        if not torch.isfinite(flat_grads[:n_params]).all():
+        if scaler is None and not torch.isfinite(flat_grads[:n_params]).all():
             fail(f"non-finite gradient at iteration {iteration}, global step {global_step}", rank, world_size)
 
         # ---- logging: episodes and timings of every rank, losses averaged over ranks ----
@@ -770,7 +801,7 @@ if __name__ == "__main__":
     # Replicas must still agree: compare every rank's weights with rank 0's (one broadcast)
     replicas_identical = True
     if distributed:
-        flat_params = nn.utils.parameters_to_vector(agent.parameters()).detach()
+        flat_params = torch.cat([p.detach().reshape(-1) for p in params])
         reference = flat_params.clone()
         dist.broadcast(reference, src=0)
         same = torch.tensor([float(torch.equal(flat_params, reference))], device=device)
