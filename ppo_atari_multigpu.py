@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.optim as optim
 import tyro
 from torch.distributions.categorical import Categorical
+from ale_py.vector_env import AtariVectorEnv
 from torch.utils.tensorboard import SummaryWriter
 
 gym.register_envs(ale_py)
@@ -84,6 +85,8 @@ class Args:
     """autocast precision for rollout and update (fp16 adds a GradScaler); opt-in: changes the numbers"""
     compile: bool = False
     """torch.compile the convolutional trunk"""
+    env_backend: Literal["sync", "native"] = "sync"
+    """sync: gymnasium SyncVectorEnv in this process; native: ale-py's C++ AtariVectorEnv (threads)"""
 
     # Algorithm specific arguments
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -260,6 +263,80 @@ def make_env(env_id, idx, capture_video, run_name, episodic_life=True):
         return env
 
     return thunk
+
+
+class NativeVectorEnv:
+    """--env-backend native: ale-py's C++ vector env (threads), behind the SyncVectorEnv API and
+    info format the rollout loop reads, with our pipeline's semantics (README "Performance")."""
+
+    def __init__(self, env_id, num_envs, num_threads):
+        kw = gym.spec(env_id).kwargs  # "BreakoutNoFrameskip-v4" -> game "breakout", sticky actions, time limit
+        self.env = AtariVectorEnv(
+            kw["game"], num_envs, num_threads=num_threads, batch_size=num_envs, autoreset_mode="SameStep",
+            frameskip=4, maxpool=True, noop_max=30, use_fire_reset=True, grayscale=True, img_height=84, img_width=84,
+            stack_num=1,  # we stack: a new life/game starts from 4 copies of its first frame, as FrameStackObservation
+            episodic_life=False,  # True would reset the whole game at every life loss; instead
+            life_loss_info=True,  # a life loss only sets terminated, and the game goes on
+            reward_clipping=False,  # the episode return must be the real score; we clip the agent's reward
+            repeat_action_probability=kw.get("repeat_action_probability", 0.25),
+            full_action_space=kw.get("full_action_space", False),
+            max_num_frames_per_episode=kw.get("max_num_frames_per_episode", 108000))
+        self.num_envs = num_envs
+        self.single_observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        self.single_action_space = self.env.single_action_space
+        self.fire = self.env.ale.get_action_set()[1] == ale_py.Action.FIRE  # as the trainer's FireReset
+
+    def _info(self, info):
+        # frame_number - episode_frame_number is constant during a game and jumps when ale-py resets it
+        self.offset = info["frame_number"].astype(np.int64) - info["episode_frame_number"]
+        out = {}
+        for key in ("lives", "episode_frame_number", "frame_number"):  # gymnasium style: value + "_key" mask
+            out[key], out["_" + key] = info[key].astype(np.int64), np.ones(self.num_envs, bool)
+        return out
+
+    def reset(self, seed=None):
+        if seed is not None:  # an int: env i gets seed + i (as gymnasium); else one seed per env
+            seed = int(seed) if np.ndim(seed) == 0 else np.asarray(seed, dtype=np.int64)
+        frame, info = self.env.reset(seed=seed)
+        self.returns = np.zeros(self.num_envs)  # unclipped score of the running game, all lives
+        self.fire_next = np.zeros(self.num_envs, bool)
+        self.stack = np.repeat(frame, 4, axis=1)
+        return self.stack, self._info(info)
+
+    def step(self, actions):
+        actions = np.asarray(actions, dtype=np.int64)
+        if self.fire:
+            # ale-py presses FIRE only when a game starts, and games like Breakout stay frozen after a
+            # lost life until FIRE is pressed: the step after a life loss presses FIRE instead of the
+            # agent's action. The trainer still records that step with the agent's sampled action.
+            actions = np.where(self.fire_next, 1, actions)
+        frame, reward, term, trunc, info = self.env.step(actions)
+        old_offset = self.offset
+        infos = self._info(info)
+        # A game ended (game over or time limit) exactly when ale-py reset it this step: the episode
+        # frame counter restarted while the global one went on. The old game lasted offset - old_offset
+        # raw frames (reset no-ops and FIRE included), like RecordEpisodeStatistics on the raw env.
+        game_over = self.offset != old_offset
+        self.returns += reward
+        done = term | trunc
+        self.fire_next = term & ~game_over  # a life was lost and the game goes on
+        last = np.concatenate([self.stack[:, 1:], frame], axis=1)
+        if game_over.any():  # SAME_STEP: `frame` is already the new game's first frame there
+            last[game_over, 3] = info["final_obs"][game_over, 0]
+        # New life or game: 4 copies of its first frame. np.where makes a new array every step, so an
+        # obs handed out earlier (maybe shared by a CPU torch tensor) is never overwritten.
+        self.stack = np.where(done[:, None, None, None], frame, last)
+        if done.any():  # as gymnasium, but final_obs is one (N,4,84,84) array (valid where done)
+            infos.update(final_obs=last, _final_obs=done, final_info={}, _final_info=done)
+            if game_over.any():
+                infos["final_info"] = {"episode": {"r": np.where(game_over, self.returns, 0.0),
+                                                   "l": np.where(game_over, self.offset - old_offset, 0)},
+                                       "_episode": game_over}
+        self.returns[game_over] = 0.0
+        return self.stack, np.sign(reward).astype(np.float64), term, trunc, infos
+
+    def close(self):
+        self.env.close()
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -514,6 +591,8 @@ if __name__ == "__main__":
         check_env_id(args.env_id)
     except ValueError as e:
         fail(e, rank, world_size)
+    if args.capture_video and args.env_backend == "native":
+        fail("--capture-video records through gymnasium: use it with --env-backend sync", rank, world_size)
     use_cuda = args.cuda and torch.cuda.is_available()
     if args.device_ids is not None and len(args.device_ids) != world_size:
         fail(f"--device-ids has {len(args.device_ids)} ids for world size {world_size}", rank, world_size)
@@ -601,11 +680,14 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, i, args.capture_video and master_process, run_name)
-         for i in range(args.local_num_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,  # no fake transition after an episode ends
-    )
+    if args.env_backend == "native":
+        envs = NativeVectorEnv(args.env_id, args.local_num_envs, num_threads=torch.get_num_threads())
+    else:
+        envs = gym.vector.SyncVectorEnv(
+            [make_env(args.env_id, i, args.capture_video and master_process, run_name)
+             for i in range(args.local_num_envs)],
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,  # no fake transition after an episode ends
+        )
     agent = Agent(envs.single_action_space.n).to(device)
     if distributed:  # every replica starts from rank 0's weights
         flat_params = nn.utils.parameters_to_vector(agent.parameters())
@@ -698,7 +780,7 @@ if __name__ == "__main__":
                 cut = np.flatnonzero(truncations & ~terminations)
                 if len(cut):
                     with torch.inference_mode(), autocast:
-                        final_value = agent.get_value(torch.as_tensor(infos["final_obs"][cut], device=device))
+                        final_value = agent.get_value(torch.as_tensor(np.stack(infos["final_obs"][cut]), device=device))
                     reward[cut] += args.gamma * final_value.flatten().cpu().numpy()
                 if "episode" in infos["final_info"]:
                     ep = infos["final_info"]["episode"]

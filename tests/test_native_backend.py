@@ -1,0 +1,211 @@
+"""--env-backend sync (gymnasium SyncVectorEnv) vs native (ale-py's AtariVectorEnv): same semantics."""
+import gymnasium as gym
+import numpy as np
+import pytest
+from ale_py.vector_env import AtariVectorEnv
+
+import ppo_atari_multigpu as ppo
+from ppo_atari_multigpu import NativeVectorEnv
+
+SAME_STEP = gym.vector.AutoresetMode.SAME_STEP
+
+
+def make_sync(env_id, n):
+    return gym.vector.SyncVectorEnv([ppo.make_env(env_id, i, False, "test") for i in range(n)],
+                                    autoreset_mode=SAME_STEP)
+
+
+BACKENDS = {"sync": make_sync, "native": lambda env_id, n: NativeVectorEnv(env_id, n, 1)}
+
+
+def games(infos):
+    """(env, return, length) of every game that ended this step."""
+    fi = infos.get("final_info", {})
+    if "episode" not in fi:
+        return []
+    return [(int(i), float(fi["episode"]["r"][i]), int(fi["episode"]["l"][i]))
+            for i in np.flatnonzero(fi["_episode"])]
+
+
+def test_backends_agree_on_spaces_dtypes_and_clipped_rewards():
+    n, rng = 2, np.random.default_rng(0)
+    sync, nat = make_sync("SpaceInvadersNoFrameskip-v4", n), NativeVectorEnv("SpaceInvadersNoFrameskip-v4", n, 1)
+    assert nat.single_observation_space == sync.single_observation_space
+    assert nat.single_action_space == sync.single_action_space and nat.num_envs == sync.num_envs == n
+    (so, _), (no, _) = sync.reset(seed=[0, 1]), nat.reset(seed=[0, 1])
+    assert so.shape == no.shape == (n, 4, 84, 84) and so.dtype == no.dtype == np.uint8
+    nonzero = {"sync": 0, "native": 0}
+    for _ in range(300):
+        a = rng.integers(0, nat.single_action_space.n, n)
+        for name, out in (("sync", sync.step(a)), ("native", nat.step(a))):
+            obs, r, term, trunc, infos = out
+            assert obs.shape == (n, 4, 84, 84) and obs.dtype == np.uint8
+            assert r.dtype == np.float64 and r.shape == (n,)  # gymnasium's SyncVectorEnv dtype
+            assert set(np.unique(r)) <= {-1.0, 0.0, 1.0}
+            assert term.dtype == trunc.dtype == np.bool_
+            assert ("final_info" in infos) == ("final_obs" in infos) == bool((term | trunc).any())
+            nonzero[name] += np.count_nonzero(r)
+    assert min(nonzero.values()) > 0  # invaders score 5..30 points: clipping really happened
+    sync.close(), nat.close()
+
+
+@pytest.mark.parametrize("backend", ["native", "sync"])
+def test_life_loss_terminates_without_episode_and_game_goes_on(backend):
+    env = BACKENDS[backend]("BreakoutNoFrameskip-v4", 2)
+    _, infos = env.reset(seed=[3, 4])
+    rng, lost, ended = np.random.default_rng(0), 0, 0
+    for _ in range(2000):
+        lives, efn = infos["lives"], infos["episode_frame_number"]
+        obs, _, term, trunc, infos = env.step(rng.integers(0, 4, 2))
+        over = {i for i, _, _ in games(infos)}
+        ended += len(over)
+        for i in np.flatnonzero(term):
+            if i in over:  # game over: the info already describes the new game
+                assert infos["lives"][i] == 5
+                continue
+            lost += 1
+            assert 0 < infos["lives"][i] == lives[i] - 1  # same game, one life less
+            assert infos["episode_frame_number"][i] > efn[i]  # its frame counter was not reset
+            assert (obs[i] == obs[i, 3:4]).all()  # the next learning episode starts a fresh stack
+        for i in np.flatnonzero(~(term | trunc)):
+            assert infos["lives"][i] == lives[i]
+        if lost >= 6 and ended >= 1:
+            break
+    assert lost >= 6 and ended >= 1
+    env.close()
+
+
+@pytest.mark.parametrize("backend", ["native", "sync"])
+def test_fire_after_life_loss_relaunches_ball(backend):
+    """Breakout with NOOP only: the ball comes back after a lost life only if FIRE is pressed
+    (native: the step after a life loss; sync: FireReset), so the game must reach game over."""
+    env = BACKENDS[backend]("BreakoutNoFrameskip-v4", 1)
+    env.reset(seed=[9])
+    lost = 0
+    for _ in range(1000):
+        _, _, term, _, infos = env.step(np.zeros(1, np.int64))
+        if games(infos):
+            break
+        lost += int(term[0])
+    assert games(infos) and lost == 4  # 5 lives: 4 life losses, then game over
+    env.close()
+
+
+def test_native_game_return_is_unclipped_sum_over_all_lives():
+    """Replay the executed actions (agent's, FIRE after a life loss) in independent raw
+    AtariVectorEnvs (NextStep autoreset, no life-loss signal, unclipped rewards)."""
+    n, seeds = 2, [11, 12]
+    env = NativeVectorEnv("SpaceInvadersNoFrameskip-v4", n, 1)
+    assert env.fire  # action 1 of space invaders is FIRE: the replacement is exercised
+    env.reset(seed=seeds)
+    rng, fire_next, executed, got, lives_lost = np.random.default_rng(1), np.zeros(n, bool), [[], []], [], 0
+    while len({i for i, _, _ in got}) < n:
+        a = rng.integers(0, env.single_action_space.n, n)
+        for i in range(n):
+            executed[i].append(1 if fire_next[i] else a[i])
+        _, _, term, _, infos = env.step(a)
+        got += games(infos)
+        fire_next = term & ~infos.get("final_info", {}).get("_episode", np.zeros(n, bool))
+        lives_lost += fire_next.sum()
+    ref, big = [], 0
+    for i in range(n):
+        raw = AtariVectorEnv("space_invaders", 1, num_threads=1, autoreset_mode="NextStep",
+                             reward_clipping=False, stack_num=1)
+        raw.reset(seed=np.array([seeds[i]]))
+        ret = 0.0
+        for a in executed[i]:
+            _, r, term, trunc, info = raw.step(np.array([a]))
+            ret, big = ret + r[0], big + (r[0] > 1)
+            if term[0] or trunc[0]:
+                ref.append((i, ret, int(info["episode_frame_number"][0])))
+                ret = 0.0
+                raw.step(np.array([0]))  # NextStep: this step only resets
+        raw.close()
+    assert big > 0 and lives_lost >= 2 * n  # rewards > 1, games over several lives
+    assert sorted(got) == sorted(ref)
+    env.close()
+
+
+def test_sync_game_return_is_unclipped_sum_over_all_lives(monkeypatch):
+    """Record every raw action the wrappers send (no-ops, FIRE, agent), replay them in a fresh
+    raw env and count its unclipped rewards and frames per game."""
+    make, logs = gym.make, []
+
+    class Recorder(gym.Wrapper):
+        def __init__(self, env):
+            super().__init__(env)
+            self.log = []
+            logs.append(self.log)
+
+        def reset(self, **kwargs):
+            self.log.append(("reset", kwargs.get("seed")))
+            return self.env.reset(**kwargs)
+
+        def step(self, action):
+            self.log.append(int(action))
+            return self.env.step(action)
+
+    monkeypatch.setattr(ppo.gym, "make", lambda *a, **k: Recorder(make(*a, **k)))
+    n = 2
+    env = make_sync("SpaceInvadersNoFrameskip-v4", n)
+    env.reset(seed=[21, 22])
+    rng, got = np.random.default_rng(2), []
+    while len({i for i, _, _ in got}) < n:
+        _, _, _, _, infos = env.step(rng.integers(0, env.single_action_space.n, n))
+        got += games(infos)
+    env.close()
+    ref, big = [], 0
+    for i, log in enumerate(logs):
+        raw = make("SpaceInvadersNoFrameskip-v4")
+        for entry in log:
+            if isinstance(entry, tuple):
+                raw.reset(seed=entry[1])
+                ret, length = 0.0, 0
+                continue
+            _, r, term, trunc, _ = raw.step(entry)
+            ret, length, big = ret + r, length + 1, big + (r > 1)
+            if term or trunc:
+                ref.append((i, ret, length))
+        raw.close()
+    assert big > 0
+    assert sorted(got) == sorted(ref)
+
+
+@pytest.mark.parametrize("backend", ["native", "sync"])
+def test_same_step_game_over_returns_new_game_first_stack(backend):
+    env = BACKENDS[backend]("BreakoutNoFrameskip-v4", 2)
+    obs, _ = env.reset(seed=[5, 6])
+    rng, checked = np.random.default_rng(3), 0
+    for _ in range(2000):
+        prev = obs
+        obs, _, term, trunc, infos = env.step(rng.integers(0, 4, 2))
+        for i, _, _ in games(infos):
+            final = np.asarray(infos["final_obs"][i])  # gymnasium: object array; native: (N,4,84,84)
+            assert infos["_final_obs"][i] and infos["lives"][i] == 5
+            assert (obs[i] == obs[i, 0]).all()  # the new game's first frame, 4 times
+            assert (final[:3] == prev[i, 1:]).all()  # the old game's real last stack ...
+            assert not (final[3] == obs[i, 0]).all()  # ... whose last frame is not the new game's
+            checked += 1
+        if checked >= 2:
+            break
+    assert checked >= 2
+    env.close()
+
+
+def test_native_truncation_gives_final_obs_and_episode():
+    gym.register("BreakoutShortNoFrameskip-v4", entry_point="ale_py.env:AtariEnv",
+                 kwargs={**gym.spec("BreakoutNoFrameskip-v4").kwargs, "max_num_frames_per_episode": 400})
+    env = NativeVectorEnv("BreakoutShortNoFrameskip-v4", 2, 1)
+    obs, _ = env.reset(seed=[7, 8])
+    for _ in range(200):
+        prev = obs
+        obs, _, term, trunc, infos = env.step(np.zeros(2, np.int64))
+        if trunc.any():
+            break
+    cut = np.flatnonzero(trunc & ~term)
+    assert len(cut) and {i for i, _, _ in games(infos)} >= set(cut)
+    assert all(400 <= length <= 400 + 31 for _, _, length in games(infos))  # + reset no-ops/FIRE
+    final = infos["final_obs"][cut]  # what the trainer bootstraps from
+    assert final.shape == (len(cut), 4, 84, 84) and final.dtype == np.uint8
+    assert (final[:, :3] == prev[cut, 1:]).all() and (obs[cut] == obs[cut, :1]).all()
+    env.close()
