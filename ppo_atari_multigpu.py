@@ -87,6 +87,8 @@ class Args:
     """torch.compile the convolutional trunk"""
     env_backend: Literal["sync", "native"] = "sync"
     """sync: gymnasium SyncVectorEnv in this process; native: ale-py's C++ AtariVectorEnv (threads)"""
+    async_envs: bool = False
+    """two env groups: one steps (C++ threads or subprocesses) while the policy acts for the other"""
 
     # Algorithm specific arguments
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -304,13 +306,20 @@ class NativeVectorEnv:
         return self.stack, self._info(info)
 
     def step(self, actions):
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
         actions = np.asarray(actions, dtype=np.int64)
         if self.fire:
             # ale-py presses FIRE only when a game starts, and games like Breakout stay frozen after a
             # lost life until FIRE is pressed: the step after a life loss presses FIRE instead of the
             # agent's action. The trainer still records that step with the agent's sampled action.
             actions = np.where(self.fire_next, 1, actions)
-        frame, reward, term, trunc, info = self.env.step(actions)
+        self.env.send(actions)
+
+    def step_wait(self):
+        frame, reward, term, trunc, info = self.env.recv()
         old_offset = self.offset
         infos = self._info(info)
         # A game ended (game over or time limit) exactly when ale-py reset it this step: the episode
@@ -337,6 +346,21 @@ class NativeVectorEnv:
 
     def close(self):
         self.env.close()
+
+
+def merge_infos(parts, sizes):
+    """--async-envs: one info dict from those of the env groups (gymnasium's layout: per-env
+    arrays and '_key' masks; where a group lacks a key, its rows are zeros / False)."""
+    out = {}
+    for key in set().union(*parts):
+        values = [part.get(key) for part in parts]
+        if any(isinstance(v, dict) for v in values):
+            out[key] = merge_infos([v or {} for v in values], sizes)
+        else:
+            ref = next(v for v in values if v is not None)
+            out[key] = np.concatenate([np.zeros((n,) + ref.shape[1:], ref.dtype) if v is None else v
+                                       for v, n in zip(values, sizes)])
+    return out
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -591,6 +615,9 @@ if __name__ == "__main__":
         check_env_id(args.env_id)
     except ValueError as e:
         fail(e, rank, world_size)
+    if args.async_envs and args.local_num_envs < 2:
+        fail(f"--async-envs splits each rank's envs into two groups: needs --local-num-envs >= 2, got "
+             f"{args.local_num_envs}", rank, world_size)
     if args.capture_video and args.env_backend == "native":
         fail("--capture-video records through gymnasium: use it with --env-backend sync", rank, world_size)
     use_cuda = args.cuda and torch.cuda.is_available()
@@ -680,14 +707,18 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
+    # ---- environments: one group, or two for --async-envs (double buffering) ----
+    groups = [range(args.local_num_envs)] if not args.async_envs else [
+        range(args.local_num_envs // 2), range(args.local_num_envs // 2, args.local_num_envs)]
     if args.env_backend == "native":
-        envs = NativeVectorEnv(args.env_id, args.local_num_envs, num_threads=torch.get_num_threads())
+        env_groups = [NativeVectorEnv(args.env_id, len(g), num_threads=torch.get_num_threads()) for g in groups]
     else:
-        envs = gym.vector.SyncVectorEnv(
-            [make_env(args.env_id, i, args.capture_video and master_process, run_name)
-             for i in range(args.local_num_envs)],
-            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,  # no fake transition after an episode ends
-        )
+        vector_env = gym.vector.AsyncVectorEnv if args.async_envs else gym.vector.SyncVectorEnv
+        env_groups = [vector_env([make_env(args.env_id, i, args.capture_video and master_process, run_name)
+                                  for i in g],
+                                 autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)  # no fake transitions
+                      for g in groups]
+    envs = env_groups[0]  # for the spaces
     agent = Agent(envs.single_action_space.n).to(device)
     if distributed:  # every replica starts from rank 0's weights
         flat_params = nn.utils.parameters_to_vector(agent.parameters())
@@ -751,7 +782,8 @@ if __name__ == "__main__":
     num_episodes = 0
     start_time = last_save = time.time()
     # a resumed run gets fresh envs with seeds no earlier start used
-    next_obs, _ = envs.reset(seed=env_seeds(args.seed + global_step, rank, args.local_num_envs))
+    seeds = env_seeds(args.seed + global_step, rank, args.local_num_envs)
+    next_obs = np.concatenate([e.reset(seed=[seeds[i] for i in g])[0] for e, g in zip(env_groups, groups)])
     next_obs = torch.as_tensor(next_obs, device=device)
     next_done = torch.zeros(args.local_num_envs, device=device)
 
@@ -767,13 +799,26 @@ if __name__ == "__main__":
             obs[step] = next_obs
             dones[step] = next_done
             with torch.inference_mode(), autocast:
-                action, logprob, _, value = agent.get_action_and_value(next_obs)
+                if not args.async_envs:
+                    action, logprob, _, value = agent.get_action_and_value(next_obs)
+                else:  # the first group's envs step while the policy acts for the second group.
+                    # Exactly on-policy: the weights do not change during the rollout.
+                    parts = []
+                    for e, g in zip(env_groups, groups):
+                        parts.append(agent.get_action_and_value(next_obs[g.start : g.stop]))
+                        e.step_async(parts[-1][0].cpu().numpy())
+                    action, logprob, _, value = (torch.cat(x) for x in zip(*parts))
             values[step] = value.flatten()
             actions[step] = action
             logprobs[step] = logprob
 
             t_env = time.perf_counter()
-            next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+            if not args.async_envs:
+                next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+            else:
+                results = [e.step_wait() for e in env_groups]
+                next_obs_np, reward, terminations, truncations = (np.concatenate(x) for x in zip(*[r[:4] for r in results]))
+                infos = merge_infos([r[4] for r in results], [len(g) for g in groups])
             env_time += time.perf_counter() - t_env
             if "final_info" in infos:
                 # A time limit is not a real end: bootstrap from the value of the final observation
@@ -889,7 +934,8 @@ if __name__ == "__main__":
         same = torch.tensor([float(torch.equal(flat_params, reference))], device=device)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         replicas_identical = bool(same.item())
-    envs.close()
+    for e in env_groups:
+        e.close()
     if distributed:
         dist.destroy_process_group()  # evaluation below is rank 0's alone: no peer waits on it
     if master_process:
