@@ -7,7 +7,8 @@ set -euo pipefail
 for seed in "${@:-1}"; do
   torchrun --standalone --nproc_per_node=2 ppo_atari_multigpu.py --no-cuda --local-num-envs 4 \
     --total-timesteps 500000 --seed "$seed" --exp-name ddp_2x4 &
+  # --threads 1: two torch threads beside the 2-rank run would oversubscribe the 2 cores
   python ppo_atari_multigpu.py --no-cuda --local-num-envs 8 --total-timesteps 500000 --seed "$seed" \
-    --exp-name single_1x8 &
+    --exp-name single_1x8 --threads 1 --save-interval 10 --resume auto &
   wait
 done

@@ -28,7 +28,8 @@ WARMUP_ITERS = 2  # first iterations pay for allocation, caches and thread start
 REF_SPS = 309  # the reference's 2x4 on this machine class: 306-312 SPS
 
 # (name, ranks, envs per rank, flags); ranks 1 runs under plain python, more under torchrun --standalone
-VARIANTS = [("default", []), ("bf16", ["--amp", "bf16"]), ("compile", ["--compile"]),
+VARIANTS = [("default", []), ("no-channels-last", ["--no-channels-last"]), ("bf16", ["--amp", "bf16"]),
+            ("compile", ["--compile"]),
             ("native", ["--env-backend", "native"]), ("async", ["--async-envs"]),
             ("native+bf16", ["--env-backend", "native", "--amp", "bf16"])]
 CPU_CONFIGS = [(f"{layout} {variant}", ranks, envs, flags)
