@@ -24,11 +24,14 @@ def test_torchrun_two_ranks_with_tiny_target_kl_finishes_and_writes_cleanrl_tags
     assert [s for s, _ in tags["charts/SPS"]] == [512, 1024]
 
 
-def test_single_process_run_needs_no_process_group(run_trainer, tmp_path):
-    out = run_trainer(*TINY, "--total-timesteps", "64", "--run-name", "single")
+def test_single_process_run_needs_no_process_group_and_captures_video(run_trainer, tmp_path):
+    out = run_trainer(*TINY, "--total-timesteps", "64", "--run-name", "single", "--capture-video",
+                      "--eval-episodes", "0")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "single process" in out.stdout and "1 rank(s)" in out.stdout
     assert "charts/SPS" in scalar_tags(tmp_path / "runs" / "single")
+    videos = list((tmp_path / "videos" / "single").glob("*.mp4"))
+    assert videos and videos[0].stat().st_size > 1000
 
 
 def test_two_nodes_rendezvous_on_loopback_use_global_ranks(tmp_path):
