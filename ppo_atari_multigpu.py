@@ -727,7 +727,8 @@ if __name__ == "__main__":
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
     if args.compile:
-        agent.network.compile()  # in place: state_dict keys (checkpoints) stay the same
+        # compile the forward only: the module, its state_dict keys and checkpoints stay as they are
+        agent.network.forward = torch.compile(agent.network.forward)
     # ---- mixed precision (opt-in): one autocast context for rollout and update ----
     autocast = contextlib.nullcontext() if args.amp == "none" else torch.autocast(
         device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
