@@ -64,3 +64,12 @@ def test_channels_last_update_differs_from_straightforward_only_by_rounding():
     four = (optimized(4, args) - straightforward(4, args)).abs()
     assert four.max() <= 4 * 2.5e-4
     assert (four > 1e-6).float().mean() < 1e-3  # nearly every weight still agrees to rounding
+
+
+def test_compiled_run_trains_and_saves_a_checkpoint_a_plain_agent_loads(run_trainer, tmp_path):
+    out = run_trainer("--no-cuda", "--local-num-envs", "2", "--num-steps", "32", "--update-epochs", "1",
+                      "--num-minibatches", "2", "--total-timesteps", "128", "--eval-episodes", "0",
+                      "--compile", "--run-name", "c")
+    assert out.returncode == 0, out.stderr[-2000:]
+    state = torch.load(tmp_path / "runs/c/ppo_atari_multigpu.model")
+    ppo.Agent(4).load_state_dict(state)  # same keys as an uncompiled agent: checkpoints stay portable
