@@ -53,7 +53,10 @@ def load_run(run_dir):
         # also counts the first iteration; min() guards against files whose scalars carry
         # explicit wall times earlier than the file's creation.
         t0 = min(acc.FirstEventTimestamp(), first_wall)
-        files.append((first_wall, path, min(e.step for e in events), t0, scalars))
+        # eval/* is indexed by evaluation episode, not global step: it says nothing about restarts
+        restart_step = min((e.step for tag, evs in scalars.items() if not tag.startswith("eval/") for e in evs),
+                           default=math.inf)
+        files.append((first_wall, path, restart_step, t0, scalars))
     files.sort(key=lambda f: f[:2])  # file names are only second-resolution: order by wall time
 
     cols = defaultdict(lambda: ([], [], []))

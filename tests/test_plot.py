@@ -72,7 +72,10 @@ def test_resumed_run_drops_superseded_points_and_excludes_downtime_from_elapsed_
     write_events(run_dir, [(plot.RETURN, s, 1.0, T0 + s / 100) for s in range(100, 600, 100)], ".a")
     # Resumed an hour later at step 300, redoing 300..500 with different values, going on to 700.
     t_resume = T0 + 3600
-    write_events(run_dir, [(plot.RETURN, s, 2.0, t_resume + (s - 300) / 100) for s in range(300, 800, 100)], ".b")
+    # The finished run also logs its final evaluation, indexed by episode (steps 0, 1): that must
+    # not count as a restart at step 0.
+    write_events(run_dir, [(plot.RETURN, s, 2.0, t_resume + (s - 300) / 100) for s in range(300, 800, 100)]
+                 + [("eval/episodic_return", i, 9.0, t_resume + 4) for i in range(2)], ".b")
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
 
     steps, values, elapsed = plot.load_run(str(run_dir))[plot.RETURN]
