@@ -939,6 +939,7 @@ if __name__ == "__main__":
         e.close()
     if distributed:
         dist.destroy_process_group()  # evaluation below is rank 0's alone: no peer waits on it
+        store = None  # release the store client now, not at interpreter shutdown (its threads then abort)
     if master_process:
         elapsed = elapsed_before + time.time() - start_time
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
