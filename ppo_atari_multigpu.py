@@ -939,7 +939,6 @@ if __name__ == "__main__":
         e.close()
     if distributed:
         dist.destroy_process_group()  # evaluation below is rank 0's alone: no peer waits on it
-        store = None  # release the store client now, not at interpreter shutdown (its threads then abort)
     if master_process:
         elapsed = elapsed_before + time.time() - start_time
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
@@ -956,5 +955,13 @@ if __name__ == "__main__":
             print(f"eval {model_path}: {len(returns)} episodes, return {np.mean(returns):.2f} "
                   f"+- {np.std(returns):.2f}", flush=True)
         writer.close()
+        if args.track:
+            wandb.finish()
+    if distributed:
+        # Leave without interpreter finalization: gloo's C++ threads can abort it (SIGABRT,
+        # "terminate called without an active exception") even after destroy_process_group.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if replicas_identical else 1)
     if not replicas_identical:
         sys.exit(1)
