@@ -6,6 +6,7 @@
 # the same step and the weights stay bit-identical across ranks.
 import atexit
 import contextlib
+import ctypes
 import datetime
 import difflib
 import glob
@@ -386,13 +387,20 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
+    def hidden(self, x):
+        # uint8 frames go channels-last BEFORE the float division when the weights are: oneDNN
+        # would otherwise reorder a 4x larger float copy on every call
+        if self.network[0].weight.is_contiguous(memory_format=torch.channels_last):
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.network(x / 255.0).float()
+
     def get_value(self, x):
-        hidden = self.network(x / 255.0).float()
+        hidden = self.hidden(x)
         with torch.autocast(x.device.type, enabled=False):  # heads in fp32 even under --amp
             return self.critic(hidden)
 
     def get_action_and_value(self, x, action=None):
-        hidden = self.network(x / 255.0).float()
+        hidden = self.hidden(x)
         # fp32 heads even under --amp: PPO's ratio exp(new - old log-prob) needs more than bf16's
         # 8 mantissa bits. No validation: a NaN must reach the non-finite check, not raise in torch.
         with torch.autocast(x.device.type, enabled=False):
@@ -490,6 +498,18 @@ def minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds, world_
     dist.all_reduce(flat_grads)  # SUM, then divide: gloo has no AVG
     flat_grads /= world_size
     return time.perf_counter() - t
+
+
+def keep_freed_memory():
+    """glibc gives each freed block above its mmap threshold back to the OS, so every minibatch
+    page-faults its ~14 MB of activations in again (1.3 M faults in 8 iterations of 1x4, measured).
+    Keep freed memory in the process instead; nothing changes where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve blocks up to 1 GiB from the heap
+    libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap
 
 
 # ---- checkpoints: atomic writes, validated reads, RNG states of every rank ----
@@ -645,6 +665,7 @@ if __name__ == "__main__":
         fail("--backend mpi: this torch build has no MPI support", rank, world_size)
     # ranks on one node share its cores; torchrun's OMP_NUM_THREADS=1 would leave cores idle
     torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size))
+    keep_freed_memory()
 
     # ---- evaluation-only mode: rank 0 plays --eval-episodes games with a saved model ----
     if args.eval_checkpoint:
@@ -733,7 +754,9 @@ if __name__ == "__main__":
     autocast = contextlib.nullcontext() if args.amp == "none" else torch.autocast(
         device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    # foreach: one kernel per op over all tensors, bit-identical to the per-tensor loop that torch
+    # picks by default on CPU, and ~2x faster there (CUDA already defaults to it)
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat_grads = flat_grad_buffer(params, NUM_STATS)

@@ -94,7 +94,7 @@ def worker_update(mod, a, bf16):
     mod.resolve_sizes(targs, 1)
     n_actions, n = gym.make(a.env_id).action_space.n, targs.local_batch_size
     agent = mod.Agent(n_actions).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, foreach=True)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, mod.NUM_STATS)
@@ -163,6 +163,7 @@ def worker_allreduce(mod, a):
 
 def run_worker(a):
     mod = load_trainer()
+    mod.keep_freed_memory()  # as the trainer does
     fns = {"env": worker_env, "native": worker_native, "allreduce": worker_allreduce,
            "update": lambda m, a: worker_update(m, a, False), "update-bf16": lambda m, a: worker_update(m, a, True)}
     print("RESULT " + json.dumps(fns[a.worker](mod, a)), flush=True)

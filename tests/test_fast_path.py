@@ -1,10 +1,14 @@
 """The optimized default update path against the straightforward computation (CPU)."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 import ppo_atari_multigpu as ppo
+from conftest import ROOT
 
 
 def data(n=64, seed=0):
@@ -15,7 +19,7 @@ def data(n=64, seed=0):
 
 
 def straightforward(updates, args):
-    """CleanRL's way: float observations, fresh .grad tensors, optimizer.zero_grad()."""
+    """CleanRL's way: float observations, fresh .grad tensors, optimizer.zero_grad(), per-tensor Adam."""
     torch.manual_seed(0)
     agent = ppo.Agent(4)
     opt = torch.optim.Adam(agent.parameters(), lr=2.5e-4, eps=1e-5)
@@ -31,13 +35,13 @@ def straightforward(updates, args):
 
 
 def optimized(updates, args):
-    """The trainer's path: uint8 observations, gradients as views of one flat buffer."""
+    """The trainer's path: uint8 observations, gradients as views of one flat buffer, foreach Adam."""
     torch.manual_seed(0)
     agent = ppo.Agent(4)
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
     params = list(agent.parameters())
-    opt = torch.optim.Adam(params, lr=2.5e-4, eps=1e-5)
+    opt = torch.optim.Adam(params, lr=2.5e-4, eps=1e-5, foreach=True)
     flat = ppo.flat_grad_buffer(params, ppo.NUM_STATS)
     for u in range(updates):
         batch = data(seed=u)
@@ -73,3 +77,29 @@ def test_compiled_run_trains_and_saves_a_checkpoint_a_plain_agent_loads(run_trai
     assert out.returncode == 0, out.stderr[-2000:]
     state = torch.load(tmp_path / "runs/c/ppo_atari_multigpu.model")
     ppo.Agent(4).load_state_dict(state)  # same keys as an uncompiled agent: checkpoints stay portable
+
+
+def test_kept_memory_serves_the_next_minibatch_without_page_faults():
+    # Fresh interpreters: the setting is process-wide. Without it glibc unmaps freed activations
+    # and the next minibatch's forward and backward fault their 4 KiB pages in again.
+    code = """if 1:
+        import resource, sys, torch, ppo_atari_multigpu as ppo
+        torch.set_num_threads(1)
+        if sys.argv[1] == "keep":
+            ppo.keep_freed_memory()
+        agent = ppo.Agent(4)
+        obs = torch.randint(0, 256, (128, 4, 84, 84), dtype=torch.uint8)
+        def faults():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(3):
+                agent.get_action_and_value(obs)[3].sum().backward()
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults()  # the first minibatch faults its pages in either way
+        print(faults())"""
+    counts = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run([sys.executable, "-c", code, mode], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        counts[mode] = int(out.stdout.split()[-1])
+    assert counts["default"] > 5000, counts  # the problem exists here ...
+    assert counts["keep"] < 500, counts  # ... and keep_freed_memory removes it
