@@ -818,46 +818,49 @@ if __name__ == "__main__":
 
         # ---- rollout ----
         t_rollout, env_time, episodes = time.perf_counter(), 0.0, []
-        for step in range(args.num_steps):
-            global_step += args.num_envs
-            obs[step] = next_obs
-            dones[step] = next_done
-            with torch.inference_mode(), autocast:
+        # One no-grad/autocast region for the whole rollout: the weights do not change in it, so under
+        # --amp their low-precision copies are cast once, not every step. Not inference_mode: autocast
+        # caches no casts there (bf16 batch-4 forward 2.1 vs 1.6 ms measured; fp32 the same).
+        with torch.no_grad(), autocast:
+            for step in range(args.num_steps):
+                global_step += args.num_envs
+                obs[step] = next_obs
+                dones[step] = next_done
                 if not args.async_envs:
                     action, logprob, _, value = agent.get_action_and_value(next_obs)
-                else:  # the first group's envs step while the policy acts for the second group.
-                    # Exactly on-policy: the weights do not change during the rollout.
+                else:  # the first group's envs step while the policy acts for the second (on-policy:
+                    # every action comes from the same weights)
                     parts = []
                     for e, g in zip(env_groups, groups):
                         parts.append(agent.get_action_and_value(next_obs[g.start : g.stop]))
                         e.step_async(parts[-1][0].cpu().numpy())
                     action, logprob, _, value = (torch.cat(x) for x in zip(*parts))
-            values[step] = value.flatten()
-            actions[step] = action
-            logprobs[step] = logprob
+                values[step] = value.flatten()
+                actions[step] = action
+                logprobs[step] = logprob
 
-            t_env = time.perf_counter()
-            if not args.async_envs:
-                next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
-            else:
-                results = [e.step_wait() for e in env_groups]
-                next_obs_np, reward, terminations, truncations = (np.concatenate(x) for x in zip(*[r[:4] for r in results]))
-                infos = merge_infos([r[4] for r in results], [len(g) for g in groups])
-            env_time += time.perf_counter() - t_env
-            if "final_info" in infos:
-                # A time limit is not a real end: bootstrap from the value of the final observation
-                cut = np.flatnonzero(truncations & ~terminations)
-                if len(cut):
-                    with torch.inference_mode(), autocast:
+                t_env = time.perf_counter()
+                if not args.async_envs:
+                    next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+                else:
+                    results = [e.step_wait() for e in env_groups]
+                    next_obs_np, reward, terminations, truncations = (np.concatenate(x)
+                                                                      for x in zip(*[r[:4] for r in results]))
+                    infos = merge_infos([r[4] for r in results], [len(g) for g in groups])
+                env_time += time.perf_counter() - t_env
+                if "final_info" in infos:
+                    # A time limit is not a real end: bootstrap from the value of the final observation
+                    cut = np.flatnonzero(truncations & ~terminations)
+                    if len(cut):
                         final_value = agent.get_value(torch.as_tensor(np.stack(infos["final_obs"][cut]), device=device))
-                    reward[cut] += args.gamma * final_value.flatten().cpu().numpy()
-                if "episode" in infos["final_info"]:
-                    ep = infos["final_info"]["episode"]
-                    for i in np.flatnonzero(infos["final_info"]["_episode"]):
-                        episodes.append((global_step, float(ep["r"][i]), int(ep["l"][i])))
-            rewards[step] = torch.as_tensor(reward, device=device)
-            next_obs = torch.as_tensor(next_obs_np, device=device)
-            next_done = torch.as_tensor(terminations | truncations, dtype=torch.float32, device=device)
+                        reward[cut] += args.gamma * final_value.flatten().cpu().numpy()
+                    if "episode" in infos["final_info"]:
+                        ep = infos["final_info"]["episode"]
+                        for i in np.flatnonzero(infos["final_info"]["_episode"]):
+                            episodes.append((global_step, float(ep["r"][i]), int(ep["l"][i])))
+                rewards[step] = torch.as_tensor(reward, device=device)
+                next_obs = torch.as_tensor(next_obs_np, device=device)
+                next_done = torch.as_tensor(terminations | truncations, dtype=torch.float32, device=device)
         rollout_time = time.perf_counter() - t_rollout
 
         # ---- advantages (GAE) ----
