@@ -4,8 +4,12 @@
 # Every rank steps its own envs and computes gradients on its own samples; before each optimizer
 # step ONE flat buffer holding all gradients is all-reduced and averaged, so every replica takes
 # the same step and the weights stay bit-identical across ranks.
+#
+# Layout: the CORE is CleanRL's PPO in CleanRL's order (Args, make_env, Agent, GAE, loss, the
+# flat-gradient all-reduce). The EXTRAS follow, one labelled block each (FLAGS, LAUNCH,
+# CHECKPOINTS, EVALUATION, ENV BACKENDS, FAST PATH AND MIXED PRECISION, RUN-TIME CHECKS). MAIN
+# runs setup, rollout, GAE, update and logging, calling each extra in a line or two.
 import atexit
-import contextlib
 import ctypes
 import datetime
 import difflib
@@ -27,13 +31,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.optim as optim
 import tyro
-from torch.distributions.categorical import Categorical
 from ale_py.vector_env import AtariVectorEnv
+from torch.distributions.categorical import Categorical
 from torch.utils.tensorboard import SummaryWriter
 
 gym.register_envs(ale_py)
 
 
+# ================================================================================================
+# CORE: CleanRL's PPO
+# ================================================================================================
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -51,45 +58,7 @@ class Args:
     wandb_entity: Optional[str] = None
     """the entity (team) of wandb's project"""
     capture_video: bool = False
-    """whether to capture videos of the agent performances (rank 0, env 0) to `videos/<run_name>`"""
-    run_name: Optional[str] = None
-    """the run's directory name under runs/ (default: {env_id}__{exp_name}__{seed}__{timestamp})"""
-
-    # Distributed settings
-    backend: Literal["auto", "gloo", "nccl", "mpi"] = "auto"
-    """collective backend; auto = nccl when every rank has its own GPU, else gloo"""
-    device_ids: Optional[list[int]] = None
-    """GPU of each rank, e.g. `--device-ids 0 0 1 1` (one id per rank; default: local rank)"""
-    threads: Optional[int] = None
-    """torch CPU threads per rank (default: cores // ranks on this node, at least 1)"""
-    pg_timeout: float = 600.0
-    """seconds a collective may wait for a peer before the run fails (a dead rank ends the run)"""
-
-    # Checkpoints, resume and evaluation
-    save_interval: int = 50
-    """save a checkpoint every this many iterations, and always at the end (0: only at the end)"""
-    save_minutes: float = 0.0
-    """also save when this many minutes have passed since the last checkpoint (0: off)"""
-    keep_checkpoints: int = 3
-    """how many of the latest checkpoints to keep in runs/<run_name>/checkpoints"""
-    resume: Optional[str] = None
-    """`auto`: continue from this run's latest checkpoint (or start fresh if none); or a checkpoint path"""
-    eval_episodes: int = 10
-    """full games played by the final model, logged as eval/episodic_return (0: skip)"""
-    eval_checkpoint: Optional[str] = None
-    """evaluation only: load this model or checkpoint, play --eval-episodes games, print the returns"""
-
-    # Performance (README "Performance"): the defaults keep CleanRL's math
-    channels_last: bool = True
-    """keep conv weights channels-last: faster oneDNN/cuDNN kernels, same math (other rounding)"""
-    amp: Literal["none", "bf16", "fp16"] = "none"
-    """autocast precision for rollout and update (fp16 adds a GradScaler); opt-in: changes the numbers"""
-    compile: bool = False
-    """torch.compile the convolutional trunk"""
-    env_backend: Literal["sync", "native"] = "sync"
-    """sync: gymnasium SyncVectorEnv in this process; native: ale-py's C++ AtariVectorEnv (threads)"""
-    async_envs: bool = False
-    """two env groups: one steps (C++ threads or subprocesses) while the policy acts for the other"""
+    """whether to capture videos of the agent (rank 0, env 0) to `videos/<run_name>`"""
 
     # Algorithm specific arguments
     env_id: str = "BreakoutNoFrameskip-v4"
@@ -100,22 +69,16 @@ class Args:
     """the learning rate of the optimizer"""
     local_num_envs: Optional[int] = None
     """the number of parallel game environments per rank (default 8)"""
-    num_envs: Optional[int] = None
-    """the number of parallel game environments of all ranks (= local_num_envs * world size)"""
     num_steps: Optional[int] = None
     """the number of steps to run in each environment per policy rollout (default 128)"""
-    local_batch_size: Optional[int] = None
-    """samples per rank per rollout (= local_num_envs * num_steps)"""
-    local_minibatch_size: Optional[int] = None
-    """samples per rank per minibatch (= local_batch_size / num_minibatches)"""
-    num_minibatches: Optional[int] = None
-    """the number of mini-batches (default 4)"""
     anneal_lr: bool = True
     """Toggle learning rate annealing for policy and value networks"""
     gamma: float = 0.99
     """the discount factor gamma"""
     gae_lambda: float = 0.95
     """the lambda for the general advantage estimation"""
+    num_minibatches: Optional[int] = None
+    """the number of mini-batches (default 4)"""
     update_epochs: int = 4
     """the K epochs to update the policy"""
     norm_adv: bool = True
@@ -132,76 +95,64 @@ class Args:
     """the maximum norm for the gradient clipping"""
     target_kl: Optional[float] = None
     """the target KL divergence threshold (the KL averaged over all ranks decides)"""
+
+    # Batch sizes: give any consistent subset (README "How local and global sizes derive")
+    num_envs: Optional[int] = None
+    """the number of parallel game environments of all ranks (= local_num_envs * world size)"""
+    local_batch_size: Optional[int] = None
+    """samples per rank per rollout (= local_num_envs * num_steps)"""
+    local_minibatch_size: Optional[int] = None
+    """samples per rank per minibatch (= local_batch_size / num_minibatches)"""
     grad_accum: int = 1
     """split each local minibatch into this many micro-batches (less memory, same gradient)"""
 
-    # to be filled in runtime
-    world_size: int = 1
-    """the number of ranks (computed in runtime)"""
-    batch_size: int = 0
-    """the batch size of all ranks (computed in runtime)"""
-    minibatch_size: int = 0
-    """the mini-batch size of all ranks (computed in runtime)"""
-    num_iterations: int = 0
-    """the number of iterations (computed in runtime)"""
+    # Distributed (README "Launching")
+    backend: Literal["auto", "gloo", "nccl", "mpi"] = "auto"
+    """collective backend; auto = nccl when every rank has its own GPU, else gloo"""
+    device_ids: Optional[list[int]] = None
+    """GPU of each rank, e.g. `--device-ids 0 0 1 1` (one id per rank; default: local rank)"""
+    threads: Optional[int] = None
+    """torch CPU threads per rank (default: cores // ranks on this node, at least 1)"""
+    pg_timeout: float = 600.0
+    """seconds a collective may wait for a peer before the run fails"""
 
+    # Checkpoints, resume and evaluation (README "Long runs and failures")
+    run_name: Optional[str] = None
+    """the run's directory under runs/ (default: {env_id}__{exp_name}__{seed}__{timestamp})"""
+    save_interval: int = 50
+    """save a checkpoint every this many iterations, and always at the end (0: only at the end)"""
+    save_minutes: float = 0.0
+    """also save when this many minutes have passed since the last checkpoint (0: off)"""
+    keep_checkpoints: int = 3
+    """how many of the latest checkpoints to keep in runs/<run_name>/checkpoints"""
+    resume: Optional[str] = None
+    """`auto`: continue this run's latest checkpoint (or start fresh); or a checkpoint path"""
+    eval_episodes: int = 10
+    """full games played by the final model, logged as eval/episodic_return (0: skip)"""
+    eval_checkpoint: Optional[str] = None
+    """evaluation only: play --eval-episodes games with this model or checkpoint, print returns"""
 
-def resolve_sizes(args: Args, world_size: int) -> Args:
-    """Derive every batch size from the subset the user gave; refuse inconsistent ones."""
+    # Speed (README "Performance"): the defaults keep CleanRL's math
+    channels_last: bool = True
+    """keep conv weights channels-last: faster oneDNN/cuDNN kernels, same math (other rounding)"""
+    amp: Literal["none", "bf16", "fp16"] = "none"
+    """autocast precision for rollout and update (fp16 adds a GradScaler); changes the numbers"""
+    compile: bool = False
+    """torch.compile the convolutional trunk"""
+    env_backend: Literal["sync", "native"] = "sync"
+    """sync: gymnasium SyncVectorEnv in this process; native: ale-py's C++ AtariVectorEnv"""
+    async_envs: bool = False
+    """two env groups: one steps (threads or subprocesses) while the policy acts for the other"""
 
-    def need(cond, msg):
-        if not cond:
-            raise ValueError(msg)
-
-    for name in ("local_num_envs", "num_envs", "num_steps", "local_batch_size", "local_minibatch_size",
-                 "num_minibatches", "grad_accum", "total_timesteps", "update_epochs"):
-        value = getattr(args, name)
-        need(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    envs, steps, lbs = args.local_num_envs, args.num_steps, args.local_batch_size
-    if args.num_envs is not None:
-        need(args.num_envs % world_size == 0,
-             f"--num-envs {args.num_envs} is not divisible by the world size {world_size}")
-        need(envs is None or envs * world_size == args.num_envs,
-             f"--num-envs {args.num_envs} != --local-num-envs {envs} x world size {world_size}")
-        envs = args.num_envs // world_size
-    if envs is None:
-        envs = lbs // steps if lbs is not None and steps is not None else 8
-    if steps is None:
-        need(lbs is None or lbs % envs == 0,
-             f"--local-batch-size {lbs} is not divisible by --local-num-envs {envs}")
-        steps = lbs // envs if lbs is not None else 128
-    need(lbs is None or lbs == envs * steps,
-         f"--local-batch-size {lbs} != --local-num-envs {envs} x --num-steps {steps}")
-    lbs = envs * steps
-    if args.local_minibatch_size is not None:
-        mbs = args.local_minibatch_size
-        need(lbs % mbs == 0, f"--local-minibatch-size {mbs} does not divide --local-batch-size {lbs}")
-        need(args.num_minibatches is None or args.num_minibatches * mbs == lbs,
-             f"--num-minibatches {args.num_minibatches} x --local-minibatch-size {mbs} != "
-             f"--local-batch-size {lbs}")
-        n_mb = lbs // mbs
-    else:
-        n_mb = args.num_minibatches if args.num_minibatches is not None else 4
-        need(lbs % n_mb == 0, f"--num-minibatches {n_mb} does not divide --local-batch-size {lbs}")
-    mbs = lbs // n_mb
-    need(mbs % args.grad_accum == 0,
-         f"--grad-accum {args.grad_accum} does not divide --local-minibatch-size {mbs}")
-    need(args.total_timesteps >= lbs * world_size,
-         f"--total-timesteps {args.total_timesteps} is less than one rollout of all ranks "
-         f"({lbs * world_size} = --local-batch-size {lbs} x world size {world_size})")
-    args.local_num_envs, args.num_envs, args.num_steps = envs, envs * world_size, steps
-    args.local_batch_size, args.local_minibatch_size, args.num_minibatches = lbs, mbs, n_mb
-    args.world_size, args.batch_size, args.minibatch_size = world_size, lbs * world_size, mbs * world_size
-    args.num_iterations = args.total_timesteps // args.batch_size
-    return args
-
-
-def check_env_id(env_id: str):
-    if env_id not in gym.registry:
-        close = difflib.get_close_matches(env_id, list(gym.registry.keys()), n=1, cutoff=0.6)
-        raise ValueError(f"unknown env id {env_id!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    if not str(gym.spec(env_id).entry_point).startswith("ale_py"):
-        raise ValueError(f"env id {env_id!r} is not an Atari (ale-py) environment")
+    # Filled in at run time from the flags above; not flags themselves
+    world_size: tyro.conf.Suppress[int] = 1
+    """the number of ranks"""
+    batch_size: tyro.conf.Suppress[int] = 0
+    """the batch size of all ranks"""
+    minibatch_size: tyro.conf.Suppress[int] = 0
+    """the mini-batch size of all ranks"""
+    num_iterations: tyro.conf.Suppress[int] = 0
+    """the number of iterations"""
 
 
 class EpisodicLife(gym.Wrapper):
@@ -223,7 +174,7 @@ class EpisodicLife(gym.Wrapper):
     def reset(self, **kwargs):
         obs, info = None, {}
         seeded = kwargs.get("seed") is not None or kwargs.get("options") is not None
-        if not self.game_over and not seeded:  # a life was lost: continue the same game with a no-op
+        if not self.game_over and not seeded:  # a life was lost: go on in the same game
             obs, _, terminated, truncated, info = self.env.step(0)
             self.game_over = terminated or truncated
         if self.game_over or seeded:
@@ -247,16 +198,17 @@ class FireReset(gym.Wrapper):
 
 def make_env(env_id, idx, capture_video, run_name, episodic_life=True):
     def thunk():
-        # v5 ids skip 4 frames inside the emulator; frames must be skipped once, in AtariPreprocessing
+        # v5 ids skip 4 frames inside the emulator; frames must be skipped once, here below
         kwargs = {"frameskip": 1} if gym.spec(env_id).kwargs.get("frameskip", 1) != 1 else {}
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array", **kwargs)
             env = gym.wrappers.RecordVideo(env, f"videos/{run_name}")
         else:
             env = gym.make(env_id, **kwargs)
-        env = gym.wrappers.RecordEpisodeStatistics(env)  # innermost: the real game's return and length
-        env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
-                                              terminal_on_life_loss=False, grayscale_obs=True)
+        env = gym.wrappers.RecordEpisodeStatistics(env)  # innermost: the real game's score
+        env = gym.wrappers.AtariPreprocessing(
+            env, noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False
+        )
         if episodic_life:  # off for evaluation: a game then ends only at game over
             env = EpisodicLife(env)
         if env.unwrapped.get_action_meanings()[1] == "FIRE":
@@ -268,100 +220,9 @@ def make_env(env_id, idx, capture_video, run_name, episodic_life=True):
     return thunk
 
 
-class NativeVectorEnv:
-    """--env-backend native: ale-py's C++ vector env (threads), behind the SyncVectorEnv API and
-    info format the rollout loop reads, with our pipeline's semantics (README "Performance")."""
-
-    def __init__(self, env_id, num_envs, num_threads):
-        kw = gym.spec(env_id).kwargs  # "BreakoutNoFrameskip-v4" -> game "breakout", sticky actions, time limit
-        self.env = AtariVectorEnv(
-            kw["game"], num_envs, num_threads=num_threads, batch_size=num_envs, autoreset_mode="SameStep",
-            frameskip=4, maxpool=True, noop_max=30, use_fire_reset=True, grayscale=True, img_height=84, img_width=84,
-            stack_num=1,  # we stack: a new life/game starts from 4 copies of its first frame, as FrameStackObservation
-            episodic_life=False,  # True would reset the whole game at every life loss; instead
-            life_loss_info=True,  # a life loss only sets terminated, and the game goes on
-            reward_clipping=False,  # the episode return must be the real score; we clip the agent's reward
-            repeat_action_probability=kw.get("repeat_action_probability", 0.25),
-            full_action_space=kw.get("full_action_space", False),
-            max_num_frames_per_episode=kw.get("max_num_frames_per_episode", 108000))
-        self.num_envs = num_envs
-        self.single_observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
-        self.single_action_space = self.env.single_action_space
-        self.fire = self.env.ale.get_action_set()[1] == ale_py.Action.FIRE  # as the trainer's FireReset
-
-    def _info(self, info):
-        # frame_number - episode_frame_number is constant during a game and jumps when ale-py resets it
-        self.offset = info["frame_number"].astype(np.int64) - info["episode_frame_number"]
-        out = {}
-        for key in ("lives", "episode_frame_number", "frame_number"):  # gymnasium style: value + "_key" mask
-            out[key], out["_" + key] = info[key].astype(np.int64), np.ones(self.num_envs, bool)
-        return out
-
-    def reset(self, seed=None):
-        if seed is not None:  # an int: env i gets seed + i (as gymnasium); else one seed per env
-            seed = int(seed) if np.ndim(seed) == 0 else np.asarray(seed, dtype=np.int64)
-        frame, info = self.env.reset(seed=seed)
-        self.returns = np.zeros(self.num_envs)  # unclipped score of the running game, all lives
-        self.fire_next = np.zeros(self.num_envs, bool)
-        self.stack = np.repeat(frame, 4, axis=1)
-        return self.stack, self._info(info)
-
-    def step(self, actions):
-        self.step_async(actions)
-        return self.step_wait()
-
-    def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
-        actions = np.asarray(actions, dtype=np.int64)
-        if self.fire:
-            # ale-py presses FIRE only when a game starts, and games like Breakout stay frozen after a
-            # lost life until FIRE is pressed: the step after a life loss presses FIRE instead of the
-            # agent's action. The trainer still records that step with the agent's sampled action.
-            actions = np.where(self.fire_next, 1, actions)
-        self.env.send(actions)
-
-    def step_wait(self):
-        frame, reward, term, trunc, info = self.env.recv()
-        old_offset = self.offset
-        infos = self._info(info)
-        # A game ended (game over or time limit) exactly when ale-py reset it this step: the episode
-        # frame counter restarted while the global one went on. The old game lasted offset - old_offset
-        # raw frames (reset no-ops and FIRE included), like RecordEpisodeStatistics on the raw env.
-        game_over = self.offset != old_offset
-        self.returns += reward
-        done = term | trunc
-        self.fire_next = term & ~game_over  # a life was lost and the game goes on
-        last = np.concatenate([self.stack[:, 1:], frame], axis=1)
-        if game_over.any():  # SAME_STEP: `frame` is already the new game's first frame there
-            last[game_over, 3] = info["final_obs"][game_over, 0]
-        # New life or game: 4 copies of its first frame. np.where makes a new array every step, so an
-        # obs handed out earlier (maybe shared by a CPU torch tensor) is never overwritten.
-        self.stack = np.where(done[:, None, None, None], frame, last)
-        if done.any():  # as gymnasium, but final_obs is one (N,4,84,84) array (valid where done)
-            infos.update(final_obs=last, _final_obs=done, final_info={}, _final_info=done)
-            if game_over.any():
-                infos["final_info"] = {"episode": {"r": np.where(game_over, self.returns, 0.0),
-                                                   "l": np.where(game_over, self.offset - old_offset, 0)},
-                                       "_episode": game_over}
-        self.returns[game_over] = 0.0
-        return self.stack, np.sign(reward).astype(np.float64), term, trunc, infos
-
-    def close(self):
-        self.env.close()
-
-
-def merge_infos(parts, sizes):
-    """--async-envs: one info dict from those of the env groups (gymnasium's layout: per-env
-    arrays and '_key' masks; where a group lacks a key, its rows are zeros / False)."""
-    out = {}
-    for key in set().union(*parts):
-        values = [part.get(key) for part in parts]
-        if any(isinstance(v, dict) for v in values):
-            out[key] = merge_infos([v or {} for v in values], sizes)
-        else:
-            ref = next(v for v in values if v is not None)
-            out[key] = np.concatenate([np.zeros((n,) + ref.shape[1:], ref.dtype) if v is None else v
-                                       for v, n in zip(values, sizes)])
-    return out
+def env_seeds(seed, rank, local_num_envs):
+    """Distinct seeds over all ranks' envs (CleanRL's multi-GPU script overlaps them)."""
+    return [seed + rank * local_num_envs + i for i in range(local_num_envs)]
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -388,8 +249,8 @@ class Agent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def hidden(self, x):
-        # uint8 frames go channels-last BEFORE the float division when the weights are: oneDNN
-        # would otherwise reorder a 4x larger float copy on every call
+        # with channels-last weights, reorder the uint8 frames BEFORE the division: oneDNN would
+        # otherwise reorder a 4x larger float copy on every call
         if self.network[0].weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
         return self.network(x / 255.0).float()
@@ -402,7 +263,7 @@ class Agent(nn.Module):
     def get_action_and_value(self, x, action=None):
         hidden = self.hidden(x)
         # fp32 heads even under --amp: PPO's ratio exp(new - old log-prob) needs more than bf16's
-        # 8 mantissa bits. No validation: a NaN must reach the non-finite check, not raise in torch.
+        # 8 mantissa bits. No validation: a NaN must reach the non-finite check, not raise here.
         with torch.autocast(x.device.type, enabled=False):
             probs = Categorical(logits=self.actor(hidden), validate_args=False)
             if action is None:
@@ -437,36 +298,47 @@ def normalize_advantages(adv, world_size):
     return (adv - mean.float()) / (std.float() + 1e-8)
 
 
-NUM_STATS = 6  # pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac
+# The loss statistics, in the order they travel at the end of the flat gradient buffer; their
+# names are also their TensorBoard tags under losses/.
+LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
 
 
 def ppo_loss(agent, args, obs, actions, logprobs, advantages, returns, values):
-    """The clipped PPO loss of one (micro-)batch, and its statistics as one small tensor."""
+    """The clipped PPO loss of one (micro-)batch, and its LOSS_STATS as one small tensor."""
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
     logratio = newlogprob - logprobs
     ratio = logratio.exp()
+    stats = {}
     with torch.no_grad():
-        old_approx_kl = (-logratio).mean()
-        approx_kl = ((ratio - 1) - logratio).mean()
-        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-    pg_loss = torch.max(-advantages * ratio,
-                        -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
+        stats["old_approx_kl"] = (-logratio).mean()
+        stats["approx_kl"] = ((ratio - 1) - logratio).mean()
+        stats["clipfrac"] = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
     newvalue = newvalue.view(-1)
     if args.clip_vloss:
+        v_loss_unclipped = (newvalue - returns) ** 2
         v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
-        v_loss = 0.5 * torch.max((newvalue - returns) ** 2, (v_clipped - returns) ** 2).mean()
+        v_loss_clipped = (v_clipped - returns) ** 2
+        v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
     else:
         v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-    stats = torch.stack([pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac]).detach()
-    return loss, stats
+    stats.update(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy_loss)
+    return loss, torch.stack([stats[name] for name in LOSS_STATS]).detach()
 
 
+# ---- the flat gradient buffer: ONE all-reduce per minibatch ----
+# Invariants (checked each iteration by grads_in_buffer):
+# - make the buffer AFTER every .to() / memory-format change of the model: the views copy each
+#   parameter's strides (e.g. channels-last), and a move would leave them behind;
+# - never optimizer.zero_grad(): it sets .grad to None and drops the views; zero the buffer;
+# - load a state dict IN PLACE (load_state_dict), never by replacing the parameters.
 def flat_grad_buffer(params, extra):
-    """One buffer for all gradients (each .grad is a view into it, with its parameter's strides,
-    e.g. channels-last) plus `extra` slots at the end for statistics: a single all_reduce then
-    averages both, with no cat / copy-back."""
+    """One buffer for all gradients (each .grad a view into it) plus `extra` slots at the end
+    for statistics: a single all_reduce averages both, with no cat and no copy-back."""
     flat = torch.zeros(sum(p.numel() for p in params) + extra, device=params[0].device)
     offset = 0
     for p in params:
@@ -475,22 +347,42 @@ def flat_grad_buffer(params, extra):
     return flat
 
 
-def minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds, world_size,
-                       autocast=contextlib.nullcontext(), scaler=None):
+def grads_in_buffer(params, flat):
+    """True while every .grad is still the view flat_grad_buffer made (cheap: pointers only)."""
+    offset = 0
+    for p in params:
+        expected = flat.data_ptr() + offset * flat.element_size()
+        if p.grad is None or p.grad.data_ptr() != expected or p.grad.stride() != p.stride():
+            return False
+        offset += p.numel()
+    return True
+
+
+def minibatch_gradient(
+    agent, args, flat_grads, n_params, batch, mb_inds, world_size, autocast, scaler
+):
     """Leave in flat_grads the gradient of one minibatch averaged over all ranks (scaled by the
-    fp16 GradScaler if any), followed by its averaged statistics. Returns the all-reduce seconds."""
+    fp16 GradScaler when enabled), then its LOSS_STATS. Returns the all-reduce seconds."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
     if args.norm_adv:
         mb_advantages = normalize_advantages(mb_advantages, world_size)
-    flat_grads.zero_()  # not optimizer.zero_grad(): that would drop the views into flat_grads
+    flat_grads.zero_()
     micro = len(mb_inds) // args.grad_accum
     for m in range(0, len(mb_inds), micro):  # gradient accumulation: sum of micro-batch means / K
         i = mb_inds[m : m + micro]
         with autocast:
-            loss, stats = ppo_loss(agent, args, b_obs[i], b_actions[i], b_logprobs[i],
-                                   mb_advantages[m : m + micro], b_returns[i], b_values[i])
-        (loss / args.grad_accum if scaler is None else scaler.scale(loss / args.grad_accum)).backward()
+            loss, stats = ppo_loss(
+                agent,
+                args,
+                b_obs[i],
+                b_actions[i],
+                b_logprobs[i],
+                mb_advantages[m : m + micro],
+                b_returns[i],
+                b_values[i],
+            )
+        scaler.scale(loss / args.grad_accum).backward()
         flat_grads[n_params:] += stats / args.grad_accum
     if world_size == 1:
         return 0.0
@@ -500,24 +392,215 @@ def minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds, world_
     return time.perf_counter() - t
 
 
-def keep_freed_memory():
-    """glibc gives each freed block above its mmap threshold back to the OS, so every minibatch
-    page-faults its ~14 MB of activations in again (1.3 M faults in 8 iterations of 1x4, measured).
-    Keep freed memory in the process instead; nothing changes where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve blocks up to 1 GiB from the heap
-    libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never shrink the heap
+# ================================================================================================
+# EXTRAS: one block each; MAIN calls each in a line or two
+# ================================================================================================
 
 
-# ---- checkpoints: atomic writes, validated reads, RNG states of every rank ----
-def rng_state():
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # stored as tensors: loads with weights_only
-    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos,
-                                                   has_gauss, cached), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+# ---- FLAGS: derived sizes and the checks that need no process group ---------------------------
+def resolve_sizes(args: Args, world_size: int) -> Args:
+    """Derive every batch size from the subset the user gave; refuse inconsistent ones."""
+
+    def need(cond, msg):
+        if not cond:
+            raise ValueError(msg)
+
+    counts = "local_num_envs num_envs num_steps local_batch_size local_minibatch_size "
+    for name in (counts + "num_minibatches grad_accum total_timesteps update_epochs").split():
+        value = getattr(args, name)
+        need(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    envs, steps, lbs = args.local_num_envs, args.num_steps, args.local_batch_size
+    if args.num_envs is not None:
+        need(
+            args.num_envs % world_size == 0,
+            f"--num-envs {args.num_envs} is not divisible by the world size {world_size}",
+        )
+        need(
+            envs is None or envs * world_size == args.num_envs,
+            f"--num-envs {args.num_envs} != --local-num-envs {envs} x world size {world_size}",
+        )
+        envs = args.num_envs // world_size
+    if envs is None:
+        envs = lbs // steps if lbs is not None and steps is not None else 8
+    if steps is None:
+        need(
+            lbs is None or lbs % envs == 0,
+            f"--local-batch-size {lbs} is not divisible by --local-num-envs {envs}",
+        )
+        steps = lbs // envs if lbs is not None else 128
+    need(
+        lbs is None or lbs == envs * steps,
+        f"--local-batch-size {lbs} != --local-num-envs {envs} x --num-steps {steps}",
+    )
+    lbs = envs * steps
+    if args.local_minibatch_size is not None:
+        mbs = args.local_minibatch_size
+        need(
+            lbs % mbs == 0, f"--local-minibatch-size {mbs} does not divide --local-batch-size {lbs}"
+        )
+        need(
+            args.num_minibatches is None or args.num_minibatches * mbs == lbs,
+            f"--num-minibatches {args.num_minibatches} x --local-minibatch-size {mbs} != "
+            f"--local-batch-size {lbs}",
+        )
+        n_mb = lbs // mbs
+    else:
+        n_mb = args.num_minibatches if args.num_minibatches is not None else 4
+        need(lbs % n_mb == 0, f"--num-minibatches {n_mb} does not divide --local-batch-size {lbs}")
+    mbs = lbs // n_mb
+    need(
+        mbs % args.grad_accum == 0,
+        f"--grad-accum {args.grad_accum} does not divide --local-minibatch-size {mbs}",
+    )
+    need(
+        args.total_timesteps >= lbs * world_size,
+        f"--total-timesteps {args.total_timesteps} is less than one rollout of all ranks "
+        f"({lbs * world_size} = --local-batch-size {lbs} x world size {world_size})",
+    )
+    args.local_num_envs, args.num_envs, args.num_steps = envs, envs * world_size, steps
+    args.local_batch_size, args.local_minibatch_size, args.num_minibatches = lbs, mbs, n_mb
+    args.world_size, args.batch_size = world_size, lbs * world_size
+    args.minibatch_size = mbs * world_size
+    args.num_iterations = args.total_timesteps // args.batch_size
+    return args
+
+
+def check_env_id(env_id: str):
+    if env_id not in gym.registry:
+        close = difflib.get_close_matches(env_id, list(gym.registry.keys()), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown env id {env_id!r}{hint}")
+    if not str(gym.spec(env_id).entry_point).startswith("ale_py"):
+        raise ValueError(f"env id {env_id!r} is not an Atari (ale-py) environment")
+
+
+def check_args(args: Args, world_size: int):
+    """Resolve the sizes and refuse bad input with one ValueError, identically on every rank."""
+    resolve_sizes(args, world_size)
+    check_env_id(args.env_id)
+    if args.async_envs and args.local_num_envs < 2:
+        raise ValueError(
+            "--async-envs splits each rank's envs into two groups: needs --local-num-envs >= 2, "
+            f"got {args.local_num_envs}"
+        )
+    if args.capture_video and args.env_backend == "native":
+        raise ValueError("--capture-video records through gymnasium: use --env-backend sync")
+    if args.eval_checkpoint and args.eval_episodes < 1:
+        raise ValueError(f"--eval-checkpoint needs --eval-episodes >= 1, got {args.eval_episodes}")
+
+
+# ---- LAUNCH: device and backend, process group, errors on every rank --------------------------
+def choose_device(args: Args, rank, world_size, local_world_size, num_gpus):
+    """This rank's device and the collective backend. It reads only flags and the launch layout,
+    so every rank reaches the same verdict; a combination that cannot work is a ValueError."""
+    if args.device_ids is not None and len(args.device_ids) != world_size:
+        raise ValueError(f"--device-ids has {len(args.device_ids)} ids for world size {world_size}")
+    use_cuda = args.cuda and num_gpus > 0
+    gpus, shared_gpu = None, False
+    if use_cuda:
+        gpus = args.device_ids or [r % local_world_size % num_gpus for r in range(world_size)]
+        if max(gpus) >= num_gpus:
+            raise ValueError(f"--device-ids {gpus} names a GPU this node lacks ({num_gpus} GPUs)")
+        # ranks r // local_world_size share a node; nccl refuses two ranks on one GPU of a node
+        nodes = [gpus[i : i + local_world_size] for i in range(0, world_size, local_world_size)]
+        shared_gpu = any(len(set(node)) < len(node) for node in nodes)
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if use_cuda and not shared_gpu else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise ValueError(
+            "--backend nccl needs CUDA, but this rank has no GPU (or --no-cuda was given); "
+            "use --backend gloo"
+        )
+    if backend == "nccl" and shared_gpu:
+        raise ValueError(
+            f"nccl refuses two ranks on one GPU (ranks -> GPUs: {gpus}); use --backend gloo"
+        )
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise ValueError("--backend mpi: this torch build has no MPI support")
+    device = torch.device("cuda", gpus[rank]) if use_cuda else torch.device("cpu")
+    return device, backend
+
+
+def cpu_threads(local_world_size):
+    """Cores of this node per rank: torchrun's OMP_NUM_THREADS=1 would leave cores idle."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // local_world_size)
+
+
+def init_distributed(backend, rank, world_size, pg_timeout):
+    timeout = datetime.timedelta(seconds=pg_timeout)
+    store = None
+    if backend != "mpi":
+        # torchrun keeps one key-value store across --max-restarts: a per-attempt prefix stops
+        # restarted ranks from reading the addresses of the ranks they replace
+        is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        tcp_store = dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt_{attempt}", tcp_store)
+    # the global RANK (not LOCAL_RANK) names this process in the group: right on many nodes
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def broadcast_object(obj, distributed):
+    """Rank 0's `obj` (anything picklable) on every rank."""
+    if not distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def fail(msg, rank, world_size):
+    """One line naming the rank, then exit 2: for errors every rank detects alike."""
+    where = f" [rank {rank}]" if world_size > 1 else ""
+    print(f"error{where}: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def crash_hook(rank, pg_timeout):
+    """An excepthook that keeps the traceback but ends with one line saying which rank failed and
+    why; a failed collective nearly always means a peer died or hung, which gloo/nccl do not say."""
+
+    def explain_crash(exc_type, exc, tb):
+        sys.__excepthook__(exc_type, exc, tb)
+        msg = (str(exc).strip().splitlines() or [exc_type.__name__])[0][:300]
+        peer_words = ("Timed out", "timed out", "closed by peer", "Connection reset", "NCCL")
+        if dist.is_initialized() and isinstance(exc, RuntimeError):
+            if any(k in msg for k in peer_words):
+                msg = (
+                    "a collective failed: a peer rank died or stopped responding "
+                    f"(--pg-timeout {pg_timeout:g}s) [{msg}]"
+                )
+        print(f"error [rank {rank}]: {exc_type.__name__}: {msg}", file=sys.stderr, flush=True)
+
+    return explain_crash
+
+
+# ---- CHECKPOINTS: run name, atomic saves, pruning, resume, run time across restarts -----------
+def choose_run_name(args: Args):
+    """--run-name; with `--resume auto` the latest run of this env/exp/seed that has a checkpoint
+    (so a restarted job finds its own); else a new timestamped name."""
+    if args.run_name is not None:
+        return args.run_name
+    prefix = f"{args.env_id}__{args.exp_name}__{args.seed}__"
+    earlier = sorted(glob.glob(f"runs/{prefix}*/checkpoints/ckpt_*.pt"), key=os.path.getmtime)
+    if args.resume == "auto" and earlier:
+        return os.path.relpath(earlier[-1], "runs").split(os.sep + "checkpoints")[0]
+    return f"{prefix}{int(time.time())}"
+
+
+def rng_state(cuda=False):
+    # numpy's key array is stored as a tensor so that the checkpoint loads with weights_only
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
+    return {
+        "python": random.getstate(),
+        "numpy": numpy_state,
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if cuda else None,
+    }
 
 
 def set_rng_state(state):
@@ -552,6 +635,10 @@ def latest_checkpoint(ckpt_dir):
     return found[-1] if found else None
 
 
+def one_line(exc, limit):
+    return " ".join(str(exc).split())[:limit]
+
+
 def load_checkpoint(path, num_actions):
     """A checkpoint (or a bare model state_dict) that fits this env and network, or ValueError."""
     try:
@@ -559,168 +646,464 @@ def load_checkpoint(path, num_actions):
     except FileNotFoundError:
         raise ValueError(f"checkpoint {path} does not exist")
     except Exception as e:
-        raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?): {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:160]}")
+        raise ValueError(
+            f"checkpoint {path} is unreadable (truncated or corrupt?): "
+            f"{type(e).__name__}: {one_line(e, 160)}"
+        )
     ckpt = ckpt if isinstance(ckpt, dict) and "model" in ckpt else {"model": ckpt}
     model = ckpt["model"]
     if not isinstance(model, dict) or "actor.weight" not in model:
         raise ValueError(f"checkpoint {path} holds no PPO Atari model")
     if model["actor.weight"].shape[0] != num_actions:
-        raise ValueError(f"checkpoint {path} was trained with {model['actor.weight'].shape[0]} actions "
-                         f"({ckpt.get('args', {}).get('env_id', 'unknown env')}); this env has {num_actions}")
+        env_id = ckpt.get("args", {}).get("env_id", "unknown env")
+        raise ValueError(
+            f"checkpoint {path} was trained with {model['actor.weight'].shape[0]} actions "
+            f"({env_id}); this env has {num_actions}"
+        )
     try:
         Agent(num_actions).load_state_dict(model)
     except RuntimeError as e:
-        raise ValueError(f"checkpoint {path} does not fit the network: {' '.join(str(e).split())[:200]}")
+        raise ValueError(f"checkpoint {path} does not fit the network: {one_line(e, 200)}")
     return ckpt
 
 
-def evaluate(agent, env_id, episodes, device, capture_video, run_name, seed):
+class Checkpointer:
+    """Owns runs/<run_name>/checkpoints: when to save, what a checkpoint holds, resume, and the
+    run's training time summed over restarts (for honest SPS after a resume)."""
+
+    def __init__(self, args: Args, run_name, rank, world_size, device):
+        self.args, self.dir = args, f"runs/{run_name}/checkpoints"
+        self.rank, self.world_size, self.cuda = rank, world_size, device.type == "cuda"
+        self.elapsed_before = 0.0
+        self.start = self.last_save = time.time()
+
+    def elapsed(self):
+        return self.elapsed_before + time.time() - self.start
+
+    def resume(self, agent, optimizer, scaler):
+        """Load --resume into the (already built) agent, optimizer and scaler on every rank;
+        return the global step to continue from (0: a fresh start). Rank 0 reads the file and
+        broadcasts it, so nodes need no shared disk; a bad file stops every rank."""
+        self.start = self.last_save = time.time()  # training time starts here, not at env setup
+        if not self.args.resume:
+            return 0
+        ckpt, error, path = None, None, None
+        if self.rank == 0:
+            path = latest_checkpoint(self.dir) if self.args.resume == "auto" else self.args.resume
+            try:
+                ckpt = load_checkpoint(path, agent.actor.out_features) if path else None
+            except ValueError as e:
+                error = str(e)
+        ckpt, error, path = broadcast_object((ckpt, error, path), self.world_size > 1)
+        if error is not None:
+            fail(error, self.rank, self.world_size)
+        if ckpt is None:
+            return 0
+        agent.load_state_dict(ckpt["model"])  # in place: the gradient views stay valid
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        same_world = ckpt["world_size"] == self.world_size
+        if same_world:
+            set_rng_state(ckpt["rng"][self.rank])
+        self.elapsed_before = ckpt["elapsed"]
+        if self.rank == 0:
+            rngs = (
+                ""
+                if same_world
+                else (f"; world size {ckpt['world_size']} -> {self.world_size}, RNGs not restored")
+            )
+            print(
+                f"resumed {path}: iteration {ckpt['global_step'] // self.args.batch_size + 1}, "
+                f"global step {ckpt['global_step']}; environments start fresh{rngs}"
+            )
+        return ckpt["global_step"]
+
+    def rng_state(self):
+        """This rank's RNG states, gathered from every rank each iteration for the next save."""
+        return rng_state(self.cuda)
+
+    def maybe_save(self, iteration, global_step, agent, optimizer, scaler, rngs):
+        """Rank 0: save every --save-interval iterations, every --save-minutes, and at the end."""
+        a = self.args
+        due = (
+            iteration == a.num_iterations
+            or (a.save_interval and iteration % a.save_interval == 0)
+            or (a.save_minutes and time.time() - self.last_save > 60 * a.save_minutes)
+        )
+        if not due:
+            return
+        ckpt = {
+            "model": agent.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+            "iteration": iteration,
+            "global_step": global_step,
+            "args": vars(a),
+            "rng": rngs,
+            "world_size": self.world_size,
+            "elapsed": self.elapsed(),
+        }
+        save_checkpoint(ckpt, self.dir, a.keep_checkpoints)
+        self.last_save = time.time()
+
+
+# ---- EVALUATION: full games with the final (or a saved) model ---------------------------------
+def evaluate(agent, env_id, episodes, device, capture_video, run_name, seed, max_envs=16):
     """Real game returns of `episodes` full games (episodic life off), one game per env at a time;
     each env contributes the same number of games, so short games are not over-represented."""
-    n_envs = min(episodes, 16)
+    n_envs = min(episodes, max_envs)
     quota = math.ceil(episodes / n_envs)
     envs = gym.vector.SyncVectorEnv(
-        [make_env(env_id, i, capture_video, f"{run_name}-eval", episodic_life=False) for i in range(n_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+        [make_env(env_id, i, capture_video, f"{run_name}-eval", False) for i in range(n_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
     games = [[] for _ in range(n_envs)]
-    next_obs, _ = envs.reset(seed=env_seeds(seed + 10**6, 0, n_envs))  # unseen games
+    next_obs, _ = envs.reset(seed=env_seeds(seed + 10**6, 0, n_envs))  # games training never saw
     while min(len(g) for g in games) < quota:
         with torch.inference_mode():
-            action, _, _, _ = agent.get_action_and_value(torch.as_tensor(next_obs, device=device))
+            obs = torch.as_tensor(next_obs, device=device)
+            action, _, _, _ = agent.get_action_and_value(obs)
         next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
         if "final_info" in infos and "episode" in infos["final_info"]:
             for i in np.flatnonzero(infos["final_info"]["_episode"]):
                 games[i].append(float(infos["final_info"]["episode"]["r"][i]))
     envs.close()
-    return [g[k] for k in range(quota) for g in games][:episodes]
+    # the k-th game of every env before any env's (k+1)-th
+    returns = []
+    for k in range(quota):
+        for g in games:
+            returns.append(g[k])
+    return returns[:episodes]
 
 
-def env_seeds(seed, rank, local_num_envs):
-    return [seed + rank * local_num_envs + i for i in range(local_num_envs)]
+def evaluate_checkpoint(args: Args, device, rank, world_size):
+    """--eval-checkpoint: rank 0 plays --eval-episodes games with a saved model and prints them."""
+    if rank != 0:
+        return
+    agent = Agent(gym.make(args.env_id).action_space.n).to(device)
+    try:
+        ckpt = load_checkpoint(args.eval_checkpoint, agent.actor.out_features)
+    except ValueError as e:
+        fail(e, rank, world_size)
+    agent.load_state_dict(ckpt["model"])
+    run_name = os.path.basename(args.eval_checkpoint)
+    returns = evaluate(
+        agent, args.env_id, args.eval_episodes, device, args.capture_video, run_name, args.seed
+    )
+    lo, hi = min(returns), max(returns)
+    print(
+        f"eval {args.eval_checkpoint} on {args.env_id}: {len(returns)} episodes, return "
+        f"{np.mean(returns):.2f} +- {np.std(returns):.2f} (min {lo:g}, max {hi:g})"
+    )
 
 
-def explain_crash(exc_type, exc, tb):
-    """Keep the traceback, but end with one line that says which rank failed and why; a failed
-    collective nearly always means that a peer died or hung, which gloo/nccl do not say plainly."""
-    sys.__excepthook__(exc_type, exc, tb)
-    msg = (str(exc).strip().splitlines() or [exc_type.__name__])[0][:300]
-    if dist.is_initialized() and isinstance(exc, RuntimeError) and any(
-            k in msg for k in ("Timed out", "timed out", "closed by peer", "Connection reset", "NCCL")):
-        msg = f"a collective failed: a peer rank died or stopped responding (--pg-timeout {args.pg_timeout:g}s) [{msg}]"
-    print(f"error [rank {rank}]: {exc_type.__name__}: {msg}", file=sys.stderr, flush=True)
+# ---- ENV BACKENDS: sync / native, and --async-envs double buffering, behind one step() --------
+class NativeVectorEnv:
+    """--env-backend native: ale-py's C++ vector env (threads), behind the SyncVectorEnv API and
+    info format the rollout loop reads, with our pipeline's semantics (README "Performance")."""
+
+    def __init__(self, env_id, num_envs, num_threads):
+        # e.g. "BreakoutNoFrameskip-v4" -> game "breakout", its sticky actions and time limit
+        kw = gym.spec(env_id).kwargs
+        self.env = AtariVectorEnv(
+            kw["game"],
+            num_envs,
+            num_threads=num_threads,
+            batch_size=num_envs,
+            autoreset_mode="SameStep",
+            frameskip=4,
+            maxpool=True,
+            noop_max=30,
+            use_fire_reset=True,
+            grayscale=True,
+            img_height=84,
+            img_width=84,
+            stack_num=1,  # we stack: a new life/game starts from 4 copies of its first frame
+            episodic_life=False,  # True would reset the whole game at every life loss; instead
+            life_loss_info=True,  # a life loss only sets terminated, and the game goes on
+            reward_clipping=False,  # returns must be the real score; we clip the agent's reward
+            repeat_action_probability=kw.get("repeat_action_probability", 0.25),
+            full_action_space=kw.get("full_action_space", False),
+            max_num_frames_per_episode=kw.get("max_num_frames_per_episode", 108000),
+        )
+        self.num_envs = num_envs
+        self.single_observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        self.single_action_space = self.env.single_action_space
+        self.fire = self.env.ale.get_action_set()[1] == ale_py.Action.FIRE  # as FireReset
+
+    def _info(self, info):
+        # frame_number - episode_frame_number is constant during a game; it jumps at a reset
+        self.offset = info["frame_number"].astype(np.int64) - info["episode_frame_number"]
+        out = {}
+        for key in ("lives", "episode_frame_number", "frame_number"):  # gymnasium: value + mask
+            out[key], out["_" + key] = info[key].astype(np.int64), np.ones(self.num_envs, bool)
+        return out
+
+    def reset(self, seed=None):
+        if seed is not None:  # an int: env i gets seed + i (as gymnasium); else one seed per env
+            seed = int(seed) if np.ndim(seed) == 0 else np.asarray(seed, dtype=np.int64)
+        frame, info = self.env.reset(seed=seed)
+        self.returns = np.zeros(self.num_envs)  # unclipped score of the running game, all lives
+        self.fire_next = np.zeros(self.num_envs, bool)
+        self.stack = np.repeat(frame, 4, axis=1)
+        return self.stack, self._info(info)
+
+    def step(self, actions):
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
+        actions = np.asarray(actions, dtype=np.int64)
+        if self.fire:
+            # ale-py presses FIRE only when a game starts, and games like Breakout stay frozen
+            # after a lost life until FIRE is pressed: the step after a life loss presses FIRE
+            # instead of the agent's action. The trainer still records the agent's action.
+            actions = np.where(self.fire_next, 1, actions)
+        self.env.send(actions)
+
+    def step_wait(self):
+        frame, reward, term, trunc, info = self.env.recv()
+        old_offset = self.offset
+        infos = self._info(info)
+        # A game ended (game over or time limit) exactly when ale-py reset it this step: the
+        # episode frame counter restarted while the global one went on. The old game lasted
+        # offset - old_offset raw frames (reset no-ops and FIRE included), as
+        # RecordEpisodeStatistics counts on the raw env.
+        game_over = self.offset != old_offset
+        self.returns += reward
+        done = term | trunc
+        self.fire_next = term & ~game_over  # a life was lost and the game goes on
+        last = np.concatenate([self.stack[:, 1:], frame], axis=1)
+        if game_over.any():  # SAME_STEP: `frame` is already the new game's first frame there
+            last[game_over, 3] = info["final_obs"][game_over, 0]
+        # New life or game: 4 copies of its first frame. np.where makes a new array every step,
+        # so an obs handed out earlier (maybe shared by a CPU tensor) is never overwritten.
+        self.stack = np.where(done[:, None, None, None], frame, last)
+        if done.any():  # as gymnasium, but final_obs is one (N,4,84,84) array (valid where done)
+            infos.update(final_obs=last, _final_obs=done, final_info={}, _final_info=done)
+            if game_over.any():
+                episode = {
+                    "r": np.where(game_over, self.returns, 0.0),
+                    "l": np.where(game_over, self.offset - old_offset, 0),
+                }
+                infos["final_info"] = {"episode": episode, "_episode": game_over}
+        self.returns[game_over] = 0.0
+        return self.stack, np.sign(reward).astype(np.float64), term, trunc, infos
+
+    def close(self):
+        self.env.close()
 
 
-def fail(msg, rank=0, world_size=1):
-    print(f"error{f' [rank {rank}]' if world_size > 1 else ''}: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
+def merge_infos(parts, sizes):
+    """--async-envs: one info dict from those of the env groups (gymnasium's layout: per-env
+    arrays and '_key' masks; where a group lacks a key, its rows are zeros / False)."""
+    out = {}
+    for key in set().union(*parts):
+        values = [part.get(key) for part in parts]
+        if any(isinstance(v, dict) for v in values):
+            out[key] = merge_infos([v or {} for v in values], sizes)
+            continue
+        ref = next(v for v in values if v is not None)
+        rows = []
+        for v, n in zip(values, sizes):
+            rows.append(np.zeros((n,) + ref.shape[1:], ref.dtype) if v is None else v)
+        out[key] = np.concatenate(rows)
+    return out
 
 
+class RankEnvs:
+    """This rank's envs: one group, or two for --async-envs; sync or native backend. step() acts
+    with the policy and steps every env, so the rollout reads the same for every choice."""
+
+    def __init__(self, args: Args, run_name, capture_video):
+        n = args.local_num_envs
+        self.groups = [range(n)] if not args.async_envs else [range(n // 2), range(n // 2, n)]
+        if args.env_backend == "native":
+            threads = torch.get_num_threads()
+            self.envs = [NativeVectorEnv(args.env_id, len(g), threads) for g in self.groups]
+        else:
+            vector_env = gym.vector.AsyncVectorEnv if args.async_envs else gym.vector.SyncVectorEnv
+            self.envs = []
+            for g in self.groups:
+                thunks = [make_env(args.env_id, i, capture_video, run_name) for i in g]
+                # SAME_STEP: no fake transition after an episode end (gymnasium 1.x's default)
+                same_step = gym.vector.AutoresetMode.SAME_STEP
+                self.envs.append(vector_env(thunks, autoreset_mode=same_step))
+        self.single_observation_space = self.envs[0].single_observation_space
+        self.single_action_space = self.envs[0].single_action_space
+        self.env_time = 0.0  # seconds spent waiting for the emulators
+
+    def reset(self, seeds):
+        frames = []
+        for env, g in zip(self.envs, self.groups):
+            frames.append(env.reset(seed=[seeds[i] for i in g])[0])
+        return np.concatenate(frames)
+
+    def step(self, policy, obs):
+        """Act on `obs` with `policy` and step the envs. Returns (action, logprob, value) and
+        gymnasium's (obs, reward, terminated, truncated, infos)."""
+        if len(self.envs) == 1:
+            action, logprob, _, value = policy(obs)
+            action_np = action.cpu().numpy()
+            t = time.perf_counter()
+            result = self.envs[0].step(action_np)
+            self.env_time += time.perf_counter() - t
+            return (action, logprob, value), result
+        # --async-envs: the first group's envs step while the policy acts for the second. Still
+        # on-policy: every action comes from the same weights.
+        actions, logprobs, values = [], [], []
+        for env, g in zip(self.envs, self.groups):
+            action, logprob, _, value = policy(obs[g.start : g.stop])
+            env.step_async(action.cpu().numpy())
+            actions.append(action)
+            logprobs.append(logprob)
+            values.append(value)
+        t = time.perf_counter()
+        results = [env.step_wait() for env in self.envs]
+        self.env_time += time.perf_counter() - t
+        next_obs, rewards, terms, truncs, infos = [], [], [], [], []
+        for o, r, term, trunc, info in results:
+            next_obs.append(o)
+            rewards.append(r)
+            terms.append(term)
+            truncs.append(trunc)
+            infos.append(info)
+        merged = merge_infos(infos, [len(g) for g in self.groups])
+        policy_out = (torch.cat(actions), torch.cat(logprobs), torch.cat(values))
+        env_out = tuple(np.concatenate(x) for x in (next_obs, rewards, terms, truncs))
+        return policy_out, env_out + (merged,)
+
+    def close(self):
+        for env in self.envs:
+            env.close()
+
+
+# ---- FAST PATH AND MIXED PRECISION (README "Performance") -------------------------------------
+def keep_freed_memory():
+    """glibc returns each freed block above its mmap threshold to the OS, so every minibatch can
+    page-fault its activations in again. Serve blocks up to 1 GiB from the heap and never trim
+    it. Returns whether glibc took both settings (False where the C library is not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_mmap_threshold, m_trim_threshold = -3, -1
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1
+    return libc.mallopt(m_trim_threshold, 2**31 - 1) == 1 and ok
+
+
+def speed_up(agent, args: Args):
+    """Same-math layout changes and the opt-in compile. Call BEFORE flat_grad_buffer."""
+    if args.channels_last:
+        agent = agent.to(memory_format=torch.channels_last)
+    if args.compile:
+        # compile the forward only: the module, its state_dict keys and checkpoints stay as they are
+        agent.network.forward = torch.compile(agent.network.forward)
+    return agent
+
+
+def precision(args: Args, device):
+    """One autocast context for rollout and update, and a GradScaler that is active for fp16
+    only: the loop has no precision branches (disabled, both leave every number unchanged)."""
+    dtype = torch.float16 if args.amp == "fp16" else torch.bfloat16
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=args.amp != "none")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    return autocast, scaler
+
+
+# ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
+def check_finite(loss_stats, grads, scaler, iteration, global_step, rank, world_size):
+    """Stop before non-finite numbers reach a checkpoint. The values are all-reduced, so every
+    rank reaches the same verdict. Under fp16 the scaler skips inf gradients by itself."""
+    if not torch.isfinite(loss_stats).all():
+        values = ", ".join(f"{k}={v:g}" for k, v in zip(LOSS_STATS, loss_stats.tolist()))
+        fail(
+            f"non-finite loss at iteration {iteration}, global step {global_step}: {values}",
+            rank,
+            world_size,
+        )
+    if not scaler.is_enabled() and not torch.isfinite(grads).all():
+        fail(
+            f"non-finite gradient at iteration {iteration}, global step {global_step}",
+            rank,
+            world_size,
+        )
+
+
+def replicas_identical(params, device, distributed):
+    """Compare every rank's weights with rank 0's (one broadcast, one tiny all-reduce)."""
+    if not distributed:
+        return True
+    flat_params = torch.cat([p.detach().reshape(-1) for p in params])
+    reference = flat_params.clone()
+    dist.broadcast(reference, src=0)
+    same = torch.tensor([float(torch.equal(flat_params, reference))], device=device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+# ================================================================================================
+# MAIN
+# ================================================================================================
 if __name__ == "__main__":
     args = tyro.cli(Args)
 
-    # torchrun sets these; plain `python` runs as a single process without a process group.
+    # ---- setup: torchrun's environment; plain `python` runs one process without a group ----
     distributed = "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     master_process = rank == 0
-    sys.excepthook = explain_crash
-
+    sys.excepthook = crash_hook(rank, args.pg_timeout)
     # Validate everything BEFORE any collective: every rank reaches the same verdict and exits,
     # so bad input can never leave a peer waiting in a collective.
     try:
-        resolve_sizes(args, world_size)
-        check_env_id(args.env_id)
+        check_args(args, world_size)
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device, backend = choose_device(args, rank, world_size, local_world_size, num_gpus)
     except ValueError as e:
         fail(e, rank, world_size)
-    if args.async_envs and args.local_num_envs < 2:
-        fail(f"--async-envs splits each rank's envs into two groups: needs --local-num-envs >= 2, got "
-             f"{args.local_num_envs}", rank, world_size)
-    if args.capture_video and args.env_backend == "native":
-        fail("--capture-video records through gymnasium: use it with --env-backend sync", rank, world_size)
-    use_cuda = args.cuda and torch.cuda.is_available()
-    if args.device_ids is not None and len(args.device_ids) != world_size:
-        fail(f"--device-ids has {len(args.device_ids)} ids for world size {world_size}", rank, world_size)
-    if use_cuda:
-        gpus = args.device_ids or [r % local_world_size % torch.cuda.device_count() for r in range(world_size)]
-        if max(gpus) >= torch.cuda.device_count():
-            fail(f"--device-ids {gpus} names a GPU this node lacks ({torch.cuda.device_count()} GPUs)",
-                 rank, world_size)
-        device = torch.device("cuda", gpus[rank])
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        # ranks rank//local_world_size share a node; nccl refuses two ranks on one GPU of a node
-        nodes = [gpus[i : i + local_world_size] for i in range(0, world_size, local_world_size)]
-        shared_gpu = any(len(set(node)) < len(node) for node in nodes)
-    else:
-        device, shared_gpu = torch.device("cpu"), False
-    backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda and not shared_gpu else "gloo")
-    if backend == "nccl" and not use_cuda:
-        fail("--backend nccl needs CUDA, but this rank has no GPU (or --no-cuda was given); "
-             "use --backend gloo", rank, world_size)
-    if backend == "nccl" and shared_gpu:
-        fail(f"nccl refuses two ranks on one GPU (ranks -> GPUs: {gpus}); use --backend gloo", rank, world_size)
-    if backend == "mpi" and not dist.is_mpi_available():
-        fail("--backend mpi: this torch build has no MPI support", rank, world_size)
-    # ranks on one node share its cores; torchrun's OMP_NUM_THREADS=1 would leave cores idle
-    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // local_world_size))
+    torch.set_num_threads(args.threads or cpu_threads(local_world_size))
     keep_freed_memory()
-
-    # ---- evaluation-only mode: rank 0 plays --eval-episodes games with a saved model ----
     if args.eval_checkpoint:
-        if master_process:
-            agent = Agent(gym.make(args.env_id).action_space.n).to(device)
-            try:
-                agent.load_state_dict(load_checkpoint(args.eval_checkpoint, agent.actor.out_features)["model"])
-            except ValueError as e:
-                fail(e)
-            returns = evaluate(agent, args.env_id, args.eval_episodes, device, args.capture_video,
-                               os.path.basename(args.eval_checkpoint), args.seed)
-            print(f"eval {args.eval_checkpoint} on {args.env_id}: {len(returns)} episodes, return "
-                  f"{np.mean(returns):.2f} +- {np.std(returns):.2f} (min {min(returns):g}, max {max(returns):g})")
+        evaluate_checkpoint(args, device, rank, world_size)
         sys.exit(0)
-
     if distributed:
-        timeout = datetime.timedelta(seconds=args.pg_timeout)
-        store = None
-        if backend != "mpi":
-            # torchrun keeps one key-value store across --max-restarts: a per-attempt prefix stops
-            # restarted ranks from reading the addresses of the ranks they replace
-            store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", dist.TCPStore(
-                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, timeout=timeout,
-                is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"))
-        # the global RANK (not LOCAL_RANK) names this process in the group: right on many nodes
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        init_distributed(backend, rank, world_size, args.pg_timeout)
     elif master_process:
         print("single process (launch with `torchrun --nproc_per_node=N` for data parallelism)")
-
-    # One run name for all ranks, decided by rank 0: with `--resume auto` the latest run of this
-    # env/exp/seed that has a checkpoint (so a restarted job finds its own), else a new timestamp.
-    run_name = [args.run_name]
-    if master_process and run_name[0] is None:
-        prefix = f"{args.env_id}__{args.exp_name}__{args.seed}__"
-        earlier = sorted(glob.glob(f"runs/{prefix}*/checkpoints/ckpt_*.pt"), key=os.path.getmtime)
-        run_name = [os.path.relpath(earlier[-1], "runs").split(os.sep + "checkpoints")[0]
-                    if args.resume == "auto" and earlier else f"{prefix}{int(time.time())}"]
-    if distributed:
-        dist.broadcast_object_list(run_name, src=0)
-    run_name = args.run_name = run_name[0]
-    ckpt_dir = f"runs/{run_name}/checkpoints"
+    run_name = args.run_name = broadcast_object(
+        choose_run_name(args) if master_process else None, distributed
+    )
+    checkpointer = Checkpointer(args, run_name, rank, world_size, device)
 
     if master_process:
-        print(f"run {run_name}: {world_size} rank(s), backend {backend if distributed else '-'}, "
-              f"device {device.type}, {torch.get_num_threads()} thread(s) per rank")
-        print(f"  local_num_envs {args.local_num_envs:>5} | num_envs {args.num_envs:>6} | "
-              f"num_steps {args.num_steps}\n  local_batch_size {args.local_batch_size:>3} | "
-              f"batch_size {args.batch_size:>4} | num_minibatches {args.num_minibatches}\n"
-              f"  local_minibatch_size {args.local_minibatch_size} | minibatch_size {args.minibatch_size} | "
-              f"grad_accum {args.grad_accum} | num_iterations {args.num_iterations}")
+        print(
+            f"run {run_name}: {world_size} rank(s), backend {backend if distributed else '-'}, "
+            f"device {device.type}, {torch.get_num_threads()} thread(s) per rank\n"
+            f"  local_num_envs {args.local_num_envs:>5} | num_envs {args.num_envs:>6} | "
+            f"num_steps {args.num_steps}\n"
+            f"  local_batch_size {args.local_batch_size:>3} | batch_size {args.batch_size:>4} | "
+            f"num_minibatches {args.num_minibatches}\n"
+            f"  local_minibatch_size {args.local_minibatch_size} | "
+            f"minibatch_size {args.minibatch_size} | grad_accum {args.grad_accum} | "
+            f"num_iterations {args.num_iterations}"
+        )
         if args.track:
             import wandb
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, sync_tensorboard=True,
-                       config=vars(args), name=run_name, monitor_gym=True, save_code=True)
+            wandb.init(
+                project=args.wandb_project_name,
+                entity=args.wandb_entity,
+                sync_tensorboard=True,
+                config=vars(args),
+                name=run_name,
+                monitor_gym=True,
+                save_code=True,
+            )
 
     # Seeding: distinct env seeds on every rank; python/numpy/torch streams differ per rank
     random.seed(args.seed + rank)
@@ -728,74 +1111,41 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
-    # ---- environments: one group, or two for --async-envs (double buffering) ----
-    groups = [range(args.local_num_envs)] if not args.async_envs else [
-        range(args.local_num_envs // 2), range(args.local_num_envs // 2, args.local_num_envs)]
-    if args.env_backend == "native":
-        env_groups = [NativeVectorEnv(args.env_id, len(g), num_threads=torch.get_num_threads()) for g in groups]
-    else:
-        vector_env = gym.vector.AsyncVectorEnv if args.async_envs else gym.vector.SyncVectorEnv
-        env_groups = [vector_env([make_env(args.env_id, i, args.capture_video and master_process, run_name)
-                                  for i in g],
-                                 autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)  # no fake transitions
-                      for g in groups]
-    envs = env_groups[0]  # for the spaces
+    # env setup
+    envs = RankEnvs(args, run_name, args.capture_video and master_process)
+
     agent = Agent(envs.single_action_space.n).to(device)
     if distributed:  # every replica starts from rank 0's weights
         flat_params = nn.utils.parameters_to_vector(agent.parameters())
         dist.broadcast(flat_params, src=0)
         nn.utils.vector_to_parameters(flat_params, agent.parameters())
-    if args.channels_last:
-        agent = agent.to(memory_format=torch.channels_last)
-    if args.compile:
-        # compile the forward only: the module, its state_dict keys and checkpoints stay as they are
-        agent.network.forward = torch.compile(agent.network.forward)
-    # ---- mixed precision (opt-in): one autocast context for rollout and update ----
-    autocast = contextlib.nullcontext() if args.amp == "none" else torch.autocast(
-        device.type, dtype=torch.bfloat16 if args.amp == "bf16" else torch.float16)
-    scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
+    agent = speed_up(agent, args)
+    autocast, scaler = precision(args, device)
     # foreach: one kernel per op over all tensors, bit-identical to the per-tensor loop that torch
-    # picks by default on CPU, and ~2x faster there (CUDA already defaults to it)
+    # picks by default on CPU, and faster there (CUDA already defaults to it)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
-    flat_grads = flat_grad_buffer(params, NUM_STATS)
+    flat_grads = flat_grad_buffer(params, len(LOSS_STATS))
+    loss_stats = flat_grads[n_params:]  # a view: the all-reduced statistics of the last minibatch
+    approx_kl_at, clipfrac_at = LOSS_STATS.index("approx_kl"), LOSS_STATS.index("clipfrac")
 
-    # ---- resume: rank 0 reads the checkpoint and sends it to every rank (no shared disk needed) ----
-    start_iteration, global_step, elapsed_before, ckpt = 1, 0, 0.0, None
-    if args.resume and master_process:
-        path = latest_checkpoint(ckpt_dir) if args.resume == "auto" else args.resume
-        try:
-            ckpt = load_checkpoint(path, envs.single_action_space.n) if path else None
-        except ValueError as e:
-            ckpt = str(e)  # every rank must hear about it, not just rank 0
-    if args.resume and distributed:
-        box = [ckpt]
-        dist.broadcast_object_list(box, src=0)
-        ckpt = box[0]
-    if isinstance(ckpt, str):
-        fail(ckpt, rank, world_size)
-    if ckpt is not None:
-        agent.load_state_dict(ckpt["model"])  # copies in place: the grad views stay valid
-        optimizer.load_state_dict(ckpt["optimizer"])
-        global_step, elapsed_before = ckpt["global_step"], ckpt["elapsed"]
-        start_iteration = global_step // args.batch_size + 1
-        if ckpt["world_size"] == world_size:
-            set_rng_state(ckpt["rng"][rank])
-        if master_process:
-            print(f"resumed {path}: iteration {start_iteration}, global step {global_step}; environments "
-                  f"start fresh" + ("" if ckpt["world_size"] == world_size else
-                                    f"; world size {ckpt['world_size']} -> {world_size}, RNGs not restored"))
+    global_step = checkpointer.resume(agent, optimizer, scaler)
+    start_iteration = global_step // args.batch_size + 1
     if master_process:
         # purge_step: TensorBoard hides what a crashed run logged after its last checkpoint
-        writer = SummaryWriter(f"runs/{run_name}", purge_step=global_step + 1 if ckpt else None)
+        writer = SummaryWriter(
+            f"runs/{run_name}", purge_step=global_step + 1 if global_step else None
+        )
         atexit.register(writer.close)  # flush the logs even when the run fails
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n%s" % (
-            "\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])))
+        writer.add_text(
+            "hyperparameters",
+            "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{k}|{v}|" for k, v in vars(args).items()])),
+        )
 
-    # Rollout storage (observations stay uint8: a float copy would be 4x the memory)
-    obs = torch.zeros((args.num_steps, args.local_num_envs) + envs.single_observation_space.shape,
-                      dtype=torch.uint8, device=device)
+    # ALGO Logic: Storage setup (observations stay uint8: a float copy would be 4x the memory)
+    obs_shape = (args.num_steps, args.local_num_envs) + envs.single_observation_space.shape
+    obs = torch.zeros(obs_shape, dtype=torch.uint8, device=device)
     actions = torch.zeros((args.num_steps, args.local_num_envs), dtype=torch.long, device=device)
     logprobs = torch.zeros((args.num_steps, args.local_num_envs), device=device)
     rewards = torch.zeros((args.num_steps, args.local_num_envs), device=device)
@@ -804,11 +1154,9 @@ if __name__ == "__main__":
 
     recent_returns = deque(maxlen=100)
     num_episodes = 0
-    start_time = last_save = time.time()
     # a resumed run gets fresh envs with seeds no earlier start used
     seeds = env_seeds(args.seed + global_step, rank, args.local_num_envs)
-    next_obs = np.concatenate([e.reset(seed=[seeds[i] for i in g])[0] for e, g in zip(env_groups, groups)])
-    next_obs = torch.as_tensor(next_obs, device=device)
+    next_obs = torch.as_tensor(envs.reset(seeds), device=device)
     next_done = torch.zeros(args.local_num_envs, device=device)
 
     for iteration in range(start_iteration, args.num_iterations + 1):
@@ -817,61 +1165,56 @@ if __name__ == "__main__":
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
         # ---- rollout ----
-        t_rollout, env_time, episodes = time.perf_counter(), 0.0, []
-        # One no-grad/autocast region for the whole rollout: the weights do not change in it, so under
-        # --amp their low-precision copies are cast once, not every step. Not inference_mode: autocast
-        # caches no casts there (bf16 batch-4 forward 2.1 vs 1.6 ms measured; fp32 the same).
+        t_rollout, envs.env_time, episodes = time.perf_counter(), 0.0, []
+        # One no-grad/autocast region for the whole rollout: the weights do not change in it, so
+        # under --amp their low-precision copies are cast once, not every step (autocast caches
+        # no casts under inference_mode, hence no_grad).
         with torch.no_grad(), autocast:
             for step in range(args.num_steps):
                 global_step += args.num_envs
                 obs[step] = next_obs
                 dones[step] = next_done
-                if not args.async_envs:
-                    action, logprob, _, value = agent.get_action_and_value(next_obs)
-                else:  # the first group's envs step while the policy acts for the second (on-policy:
-                    # every action comes from the same weights)
-                    parts = []
-                    for e, g in zip(env_groups, groups):
-                        parts.append(agent.get_action_and_value(next_obs[g.start : g.stop]))
-                        e.step_async(parts[-1][0].cpu().numpy())
-                    action, logprob, _, value = (torch.cat(x) for x in zip(*parts))
+                policy_out, env_out = envs.step(agent.get_action_and_value, next_obs)
+                action, logprob, value = policy_out
+                next_obs_np, reward, terminations, truncations, infos = env_out
                 values[step] = value.flatten()
                 actions[step] = action
                 logprobs[step] = logprob
 
-                t_env = time.perf_counter()
-                if not args.async_envs:
-                    next_obs_np, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
-                else:
-                    results = [e.step_wait() for e in env_groups]
-                    next_obs_np, reward, terminations, truncations = (np.concatenate(x)
-                                                                      for x in zip(*[r[:4] for r in results]))
-                    infos = merge_infos([r[4] for r in results], [len(g) for g in groups])
-                env_time += time.perf_counter() - t_env
                 if "final_info" in infos:
-                    # A time limit is not a real end: bootstrap from the value of the final observation
+                    # a time limit is not a real end: bootstrap from the final observation's value
                     cut = np.flatnonzero(truncations & ~terminations)
                     if len(cut):
-                        final_value = agent.get_value(torch.as_tensor(np.stack(infos["final_obs"][cut]), device=device))
-                        reward[cut] += args.gamma * final_value.flatten().cpu().numpy()
+                        final_obs = torch.as_tensor(
+                            np.stack(infos["final_obs"][cut]), device=device
+                        )
+                        reward[cut] += (
+                            args.gamma * agent.get_value(final_obs).flatten().cpu().numpy()
+                        )
                     if "episode" in infos["final_info"]:
                         ep = infos["final_info"]["episode"]
                         for i in np.flatnonzero(infos["final_info"]["_episode"]):
                             episodes.append((global_step, float(ep["r"][i]), int(ep["l"][i])))
                 rewards[step] = torch.as_tensor(reward, device=device)
                 next_obs = torch.as_tensor(next_obs_np, device=device)
-                next_done = torch.as_tensor(terminations | truncations, dtype=torch.float32, device=device)
+                next_done = torch.as_tensor(
+                    terminations | truncations, dtype=torch.float32, device=device
+                )
         rollout_time = time.perf_counter() - t_rollout
 
         # ---- advantages (GAE) ----
         t_update = time.perf_counter()
         with torch.no_grad(), autocast:
             next_value = agent.get_value(next_obs).reshape(1, -1)
-            advantages, returns = compute_gae(rewards, values, dones, next_value, next_done,
-                                              args.gamma, args.gae_lambda)
+            advantages, returns = compute_gae(
+                rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda
+            )
         b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)
-        b_logprobs, b_actions = logprobs.reshape(-1), actions.reshape(-1)
-        b_advantages, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
+        b_logprobs = logprobs.reshape(-1)
+        b_actions = actions.reshape(-1)
+        b_advantages = advantages.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_values = values.reshape(-1)
 
         # ---- PPO update: one all-reduce of the flat gradient buffer per minibatch ----
         batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
@@ -881,105 +1224,111 @@ if __name__ == "__main__":
             np.random.shuffle(b_inds)
             for start in range(0, args.local_batch_size, args.local_minibatch_size):
                 mb_inds = b_inds[start : start + args.local_minibatch_size]
-                allreduce_time += minibatch_gradient(agent, args, flat_grads, n_params, batch, mb_inds,
-                                                     world_size, autocast, scaler)
-                if scaler is None:
-                    nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                    optimizer.step()
-                else:  # fp16: unscale before clipping; a step with inf/NaN is skipped on every rank alike
-                    scaler.unscale_(optimizer)
-                    nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                    scaler.step(optimizer)
-                    scaler.update()
-                clipfrac_sum += flat_grads[n_params + 5]
+                allreduce_time += minibatch_gradient(
+                    agent, args, flat_grads, n_params, batch, mb_inds, world_size, autocast, scaler
+                )
+                scaler.unscale_(optimizer)  # fp16: clip the true gradient (otherwise a no-op)
+                nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                scaler.step(optimizer)  # fp16: skips a step with inf/NaN, alike on every rank
+                scaler.update()
+                clipfrac_sum += loss_stats[clipfrac_at]
                 num_updates += 1
             # every rank reads the same all-reduced KL, so every rank stops at the same step
-            if args.target_kl is not None and flat_grads[n_params + 4].item() > args.target_kl:
+            if args.target_kl is not None and loss_stats[approx_kl_at].item() > args.target_kl:
                 break
         update_time = time.perf_counter() - t_update
 
-        # ---- stop on non-finite numbers before they can reach a checkpoint (same verdict on all ranks) ----
-        if not torch.isfinite(flat_grads[n_params:]).all():
-            fail(f"non-finite loss at iteration {iteration}, global step {global_step}: " + ", ".join(
-                f"{k}={v:g}" for k, v in zip(("policy_loss", "value_loss", "entropy", "old_approx_kl",
-                                               "approx_kl", "clipfrac"), flat_grads[n_params:].tolist())),
-                 rank, world_size)
-        if scaler is None and not torch.isfinite(flat_grads[:n_params]).all():
-            fail(f"non-finite gradient at iteration {iteration}, global step {global_step}", rank, world_size)
+        # ---- run-time checks: the same verdict on every rank ----
+        check_finite(
+            loss_stats, flat_grads[:n_params], scaler, iteration, global_step, rank, world_size
+        )
+        if not grads_in_buffer(params, flat_grads):
+            fail(
+                "gradients no longer live in the flat buffer (see flat_grad_buffer's invariants)",
+                rank,
+                world_size,
+            )
 
         # ---- logging: episodes and timings of every rank, losses averaged over ranks ----
         y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
         var_y = np.var(y_true)
         explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
-        report = {"episodes": episodes, "ev": explained_var, "rng": rng_state(),
-                  "times": {"rollout": rollout_time, "env": env_time, "update": update_time,
-                            "allreduce": allreduce_time}}
+        times = {
+            "rollout": rollout_time,
+            "env": envs.env_time,
+            "update": update_time,
+            "allreduce": allreduce_time,
+        }
+        report = {
+            "episodes": episodes,
+            "ev": explained_var,
+            "times": times,
+            "rng": checkpointer.rng_state(),
+        }
         reports = [report]
         if distributed:
             reports = [None] * world_size
             dist.all_gather_object(reports, report)
         if master_process:
-            pg_loss, v_loss, entropy, old_approx_kl, approx_kl, _ = flat_grads[n_params:].tolist()
             for step_at, ret, length in sorted(e for r in reports for e in r["episodes"]):
                 writer.add_scalar("charts/episodic_return", ret, step_at)
                 writer.add_scalar("charts/episodic_length", length, step_at)
                 recent_returns.append(ret)
                 num_episodes += 1
-            sps = int(global_step / (elapsed_before + time.time() - start_time))
+            sps = int(global_step / checkpointer.elapsed())
             writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
-            writer.add_scalar("losses/value_loss", v_loss, global_step)
-            writer.add_scalar("losses/policy_loss", pg_loss, global_step)
-            writer.add_scalar("losses/entropy", entropy, global_step)
-            writer.add_scalar("losses/old_approx_kl", old_approx_kl, global_step)
-            writer.add_scalar("losses/approx_kl", approx_kl, global_step)
-            writer.add_scalar("losses/clipfrac", clipfrac_sum.item() / num_updates, global_step)
-            writer.add_scalar("losses/explained_variance", np.nanmean([r["ev"] for r in reports]), global_step)
+            stats = dict(zip(LOSS_STATS, loss_stats.tolist()))
+            stats["clipfrac"] = clipfrac_sum.item() / num_updates  # mean over the iteration
+            for name, value in stats.items():
+                writer.add_scalar(f"losses/{name}", value, global_step)
+            explained_var = np.nanmean([r["ev"] for r in reports])
+            writer.add_scalar("losses/explained_variance", explained_var, global_step)
             writer.add_scalar("charts/SPS", sps, global_step)
             for r, rep in enumerate(reports):
                 for key, seconds in rep["times"].items():
                     writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
             mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "-"
-            print(f"iter {iteration}/{args.num_iterations} | step {global_step} | SPS {sps} | "
-                  f"return {mean_return} (last {len(recent_returns)} of {num_episodes} episodes)", flush=True)
+            print(
+                f"iter {iteration}/{args.num_iterations} | step {global_step} | SPS {sps} | "
+                f"return {mean_return} (last {len(recent_returns)} of {num_episodes} episodes)",
+                flush=True,
+            )
+            rngs = [r["rng"] for r in reports]
+            checkpointer.maybe_save(iteration, global_step, agent, optimizer, scaler, rngs)
 
-        # ---- checkpoint: every --save-interval iterations, every --save-minutes, and at the end ----
-        if master_process and (iteration == args.num_iterations
-                               or (args.save_interval and iteration % args.save_interval == 0)
-                               or (args.save_minutes and time.time() - last_save > 60 * args.save_minutes)):
-            save_checkpoint({"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-                             "iteration": iteration, "global_step": global_step, "args": vars(args),
-                             "rng": [r["rng"] for r in reports], "world_size": world_size,
-                             "elapsed": elapsed_before + time.time() - start_time}, ckpt_dir, args.keep_checkpoints)
-            last_save = time.time()
-
-    # Replicas must still agree: compare every rank's weights with rank 0's (one broadcast)
-    replicas_identical = True
-    if distributed:
-        flat_params = torch.cat([p.detach().reshape(-1) for p in params])
-        reference = flat_params.clone()
-        dist.broadcast(reference, src=0)
-        same = torch.tensor([float(torch.equal(flat_params, reference))], device=device)
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        replicas_identical = bool(same.item())
-    for e in env_groups:
-        e.close()
+    # ---- the end: replicas must still agree; save, evaluate, leave ----
+    replicas_ok = replicas_identical(params, device, distributed)
+    envs.close()
     if distributed:
         dist.destroy_process_group()  # evaluation below is rank 0's alone: no peer waits on it
     if master_process:
-        elapsed = elapsed_before + time.time() - start_time
+        elapsed = checkpointer.elapsed()
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-        print(f"done: {global_step} steps in {datetime.timedelta(seconds=int(elapsed))}, "
-              f"SPS {int(global_step / elapsed)}, mean return (last {len(recent_returns)} episodes) "
-              f"{mean_return}, {num_episodes} episodes, replicas identical: {replicas_identical}", flush=True)
+        print(
+            f"done: {global_step} steps in {datetime.timedelta(seconds=int(elapsed))}, "
+            f"SPS {int(global_step / elapsed)}, mean return (last {len(recent_returns)} episodes) "
+            f"{mean_return}, {num_episodes} episodes, replicas identical: {replicas_ok}",
+            flush=True,
+        )
         model_path = f"runs/{run_name}/{args.exp_name}.model"
         torch.save(agent.state_dict(), model_path)
         if args.eval_episodes > 0:
-            returns = evaluate(agent, args.env_id, args.eval_episodes, device, args.capture_video, run_name,
-                               args.seed)
+            returns = evaluate(
+                agent,
+                args.env_id,
+                args.eval_episodes,
+                device,
+                args.capture_video,
+                run_name,
+                args.seed,
+            )
             for idx, episodic_return in enumerate(returns):
                 writer.add_scalar("eval/episodic_return", episodic_return, idx)
-            print(f"eval {model_path}: {len(returns)} episodes, return {np.mean(returns):.2f} "
-                  f"+- {np.std(returns):.2f}", flush=True)
+            print(
+                f"eval {model_path}: {len(returns)} episodes, return {np.mean(returns):.2f} "
+                f"+- {np.std(returns):.2f}",
+                flush=True,
+            )
         writer.close()
         if args.track:
             wandb.finish()
@@ -988,6 +1337,6 @@ if __name__ == "__main__":
         # "terminate called without an active exception") even after destroy_process_group.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0 if replicas_identical else 1)
-    if not replicas_identical:
+        os._exit(0 if replicas_ok else 1)
+    if not replicas_ok:
         sys.exit(1)

@@ -11,8 +11,17 @@ SCRIPT = ROOT / "ppo_atari_multigpu.py"
 sys.path.insert(0, str(ROOT))
 
 # Tiny settings shared by the end-to-end runs: 2 envs x 32 steps, one epoch, two iterations.
-TINY = ["--no-cuda", "--local-num-envs", "2", "--num-steps", "32", "--update-epochs", "1",
-        "--num-minibatches", "2"]
+TINY = [
+    "--no-cuda",
+    "--local-num-envs",
+    "2",
+    "--num-steps",
+    "32",
+    "--update-epochs",
+    "1",
+    "--num-minibatches",
+    "2",
+]
 
 
 def free_port():
@@ -31,11 +40,23 @@ def run_trainer(tmp_path):
         elif nproc is None:
             cmd = [sys.executable, str(SCRIPT)]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={nproc}", str(SCRIPT)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={nproc}",
+                str(SCRIPT),
+            ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        return subprocess.run(cmd + [str(a) for a in args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            cmd + [str(a) for a in args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     return run
 

@@ -1,4 +1,5 @@
 """--async-envs: the double-buffered rollout collects exactly what the plain rollout collects."""
+
 import numpy as np
 import pytest
 import torch
@@ -8,8 +9,11 @@ from ppo_atari_multigpu import merge_infos
 
 
 def test_merge_infos_concatenates_groups_and_fills_missing_keys_with_zeros():
-    a = {"lives": np.array([3, 2]), "_lives": np.array([True, True]),
-         "final_info": {"episode": {"r": np.array([0.0, 7.0])}, "_episode": np.array([False, True])}}
+    a = {
+        "lives": np.array([3, 2]),
+        "_lives": np.array([True, True]),
+        "final_info": {"episode": {"r": np.array([0.0, 7.0])}, "_episode": np.array([False, True])},
+    }
     b = {"lives": np.array([5, 5, 4]), "_lives": np.array([True, True, True])}
     out = merge_infos([a, b], [2, 3])
     assert out["lives"].tolist() == [3, 2, 5, 5, 4]
@@ -23,8 +27,22 @@ def test_async_envs_collect_the_same_samples_as_plain_rollouts(run_trainer, tmp_
     # games the single group plays. Only the rounding of values / log-probs differs (the policy
     # runs on half batches, which take other conv kernels), so the weights agree to rounding.
     for name, flags in (("plain", []), ("async", ["--async-envs"])):
-        out = run_trainer(*TINY, "--local-num-envs", "4", "--num-steps", "128", "--total-timesteps", "1024",
-                          "--eval-episodes", "0", "--env-backend", backend, "--run-name", name, *flags)
+        out = run_trainer(
+            *TINY,
+            "--local-num-envs",
+            "4",
+            "--num-steps",
+            "128",
+            "--total-timesteps",
+            "1024",
+            "--eval-episodes",
+            "0",
+            "--env-backend",
+            backend,
+            "--run-name",
+            name,
+            *flags,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
     plain, asynchronous = (scalar_tags(tmp_path / f"runs/{n}") for n in ("plain", "async"))
     assert len(plain["charts/episodic_return"]) >= 2

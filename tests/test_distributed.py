@@ -1,4 +1,5 @@
 """Two gloo ranks spawned in-process: the flat all-reduce gives the single-process gradient."""
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -12,21 +13,27 @@ N_ACTIONS, LOCAL = 4, 16  # samples per rank per minibatch
 
 def make_batch(seed, n):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
-            torch.randint(0, N_ACTIONS, (n,), generator=g),
-            -1.4 + 0.1 * torch.randn(n, generator=g),  # old logprobs
-            torch.randn(n, generator=g),  # advantages
-            torch.randn(n, generator=g),  # returns
-            torch.randn(n, generator=g))  # old values
+    return (
+        torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+        torch.randint(0, N_ACTIONS, (n,), generator=g),
+        -1.4 + 0.1 * torch.randn(n, generator=g),  # old logprobs
+        torch.randn(n, generator=g),  # advantages
+        torch.randn(n, generator=g),  # returns
+        torch.randn(n, generator=g),
+    )  # old values
+
+
+def minibatch_gradient(agent, args, flat, n_params, batch, inds, world_size):
+    autocast, scaler = ppo.precision(args, torch.device("cpu"))
+    ppo.minibatch_gradient(agent, args, flat, n_params, batch, inds, world_size, autocast, scaler)
 
 
 def gradient(agent, args, batch, world_size):
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
-    flat = ppo.flat_grad_buffer(params, ppo.NUM_STATS)
-    ppo.minibatch_gradient(agent, args, flat, n_params, batch, np.arange(len(batch[0])), world_size)
-    assert all(p.grad.data_ptr() == flat[:n_params].data_ptr() + o * 4 for p, o in
-               zip(params, np.cumsum([0] + [p.numel() for p in params[:-1]])))  # grads are still views
+    flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
+    minibatch_gradient(agent, args, flat, n_params, batch, np.arange(len(batch[0])), world_size)
+    assert ppo.grads_in_buffer(params, flat)  # the backward passes wrote into the views
     return flat[:n_params].clone(), flat[n_params:].clone()
 
 
@@ -36,7 +43,7 @@ def worker(rank, world_size, store, results):
     agent = ppo.Agent(N_ACTIONS)  # same seed on both ranks: identical replicas
     args = ppo.Args(grad_accum=1)
     union = make_batch(123, LOCAL * world_size)
-    mine = tuple(x[rank * LOCAL:(rank + 1) * LOCAL] for x in union)
+    mine = tuple(x[rank * LOCAL : (rank + 1) * LOCAL] for x in union)
     out = {}
     out["dist"], out["dist_stats"] = gradient(agent, args, mine, world_size)
     out["single"], out["single_stats"] = gradient(agent, args, union, 1)
@@ -47,15 +54,16 @@ def worker(rank, world_size, store, results):
     args.grad_accum = 1
     opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
     params = list(agent.parameters())
-    flat = ppo.flat_grad_buffer(params, ppo.NUM_STATS)
-    n_params = flat.numel() - ppo.NUM_STATS
+    flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
+    n_params = flat.numel() - len(ppo.LOSS_STATS)
     kls = []
     for update in range(3):
         batch = make_batch(1000 * update + rank, LOCAL)
-        ppo.minibatch_gradient(agent, args, flat, n_params, batch, np.arange(LOCAL), world_size)
+        minibatch_gradient(agent, args, flat, n_params, batch, np.arange(LOCAL), world_size)
         nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         opt.step()
-        kls.append(flat[n_params + 4].item())  # what the target-kl check reads on this rank
+        # what the target-kl check reads on this rank
+        kls.append(flat[n_params + ppo.LOSS_STATS.index("approx_kl")].item())
     out["params"] = nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
     out["kls"] = kls
     results[rank] = out

@@ -1,32 +1,87 @@
-"""Few, tiny end-to-end launches of the real script: torchrun, plain python, two nodes, bad input."""
+"""Few, tiny end-to-end launches of the script: torchrun, plain python, two nodes, bad input."""
+
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 from conftest import SCRIPT, TINY, free_port, scalar_tags
 
-CLEANRL_TAGS = ["charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/SPS",
-                "losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/old_approx_kl",
-                "losses/approx_kl", "losses/clipfrac", "losses/explained_variance"]
+CLEANRL_TAGS = [
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/learning_rate",
+    "charts/SPS",
+    "losses/value_loss",
+    "losses/policy_loss",
+    "losses/entropy",
+    "losses/old_approx_kl",
+    "losses/approx_kl",
+    "losses/clipfrac",
+    "losses/explained_variance",
+]
 
 
-def test_torchrun_two_ranks_with_tiny_target_kl_finishes_and_writes_cleanrl_tags(run_trainer, tmp_path):
+def test_torchrun_two_ranks_with_tiny_target_kl_finishes_and_writes_cleanrl_tags(
+    run_trainer, tmp_path
+):
     # 2 ranks x 2 envs x 128 steps, 2 iterations: long enough for Breakout games to end.
-    # A tiny --target-kl makes every rank stop the epoch early: they must agree, not deadlock.
-    out = run_trainer(*TINY, "--num-steps", "128", "--total-timesteps", "1024", "--target-kl", "1e-9",
-                      "--run-name", "e2e", nproc=2)
+    # A tiny --target-kl makes every rank stop after the first of 4 epochs: if the ranks disagreed,
+    # one would enter the next epoch's all-reduce alone and the run would hang.
+    out = run_trainer(
+        *TINY,
+        "--num-steps",
+        "128",
+        "--total-timesteps",
+        "1024",
+        "--target-kl",
+        "1e-9",
+        "--update-epochs",
+        "4",
+        "--run-name",
+        "e2e",
+        nproc=2,
+    )
     assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
     assert "iter 2/2" in out.stdout and "replicas identical: True" in out.stdout
     tags = scalar_tags(tmp_path / "runs" / "e2e")
-    for tag in CLEANRL_TAGS + ["perf/rollout_s/rank0", "perf/rollout_s/rank1", "perf/allreduce_s/rank1"]:
+    for tag in CLEANRL_TAGS + [
+        "perf/rollout_s/rank0",
+        "perf/rollout_s/rank1",
+        "perf/allreduce_s/rank1",
+    ]:
         assert tag in tags, tag
     assert [s for s, _ in tags["charts/SPS"]] == [512, 1024]
+    # Stopping after the first epoch is what it did: the same run with 1 epoch ends identical.
+    out = run_trainer(
+        *TINY,
+        "--num-steps",
+        "128",
+        "--total-timesteps",
+        "1024",
+        "--run-name",
+        "one",
+        "--eval-episodes",
+        "0",
+        nproc=2,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    a, b = (torch.load(tmp_path / f"runs/{n}/ppo_atari_multigpu.model") for n in ("e2e", "one"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_single_process_run_needs_no_process_group_and_captures_video(run_trainer, tmp_path):
-    out = run_trainer(*TINY, "--total-timesteps", "64", "--run-name", "single", "--capture-video",
-                      "--eval-episodes", "0")
+    out = run_trainer(
+        *TINY,
+        "--total-timesteps",
+        "64",
+        "--run-name",
+        "single",
+        "--capture-video",
+        "--eval-episodes",
+        "0",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "single process" in out.stdout and "1 rank(s)" in out.stdout
     assert "charts/SPS" in scalar_tags(tmp_path / "runs" / "single")
@@ -36,22 +91,47 @@ def test_single_process_run_needs_no_process_group_and_captures_video(run_traine
 
 def test_two_nodes_rendezvous_on_loopback_use_global_ranks(tmp_path):
     port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--nproc_per_node=1", str(SCRIPT),
-         *TINY, "--total-timesteps", "128", "--run-name", "twonode", "--pg-timeout", "60"],
-        cwd=tmp_path / f"node{node}", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in (0, 1) if (tmp_path / f"node{node}").mkdir() is None]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={node}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--nproc_per_node=1",
+                str(SCRIPT),
+                *TINY,
+                "--total-timesteps",
+                "128",
+                "--run-name",
+                "twonode",
+                "--pg-timeout",
+                "60",
+            ],
+            cwd=tmp_path / f"node{node}",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+        if (tmp_path / f"node{node}").mkdir() is None
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     stdout = "".join(o[0] for o in outs)
     assert "2 rank(s)" in stdout and "replicas identical: True" in stdout
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--env-id", "BreakoutNoFrameskip-v5"], "unknown env id 'BreakoutNoFrameskip-v5'"),
-    (["--backend", "nccl"], "--backend nccl needs CUDA"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--env-id", "BreakoutNoFrameskip-v5"], "unknown env id 'BreakoutNoFrameskip-v5'"),
+        (["--backend", "nccl"], "--backend nccl needs CUDA"),
+    ],
+)
 def test_bad_input_fails_fast_on_every_rank(run_trainer, flags, message):
     start = time.time()
     out = run_trainer(*TINY, *flags, nproc=2, timeout=120)

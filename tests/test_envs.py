@@ -1,5 +1,6 @@
 """Tests for the Atari env pipeline of ppo_atari_multigpu.py: make_env, EpisodicLife, FireReset,
-env_seeds and check_env_id, run on real ALE games (Breakout, SpaceInvaders) with seeded random play."""
+env_seeds and check_env_id, on real ALE games (Breakout, SpaceInvaders) with seeded random play."""
+
 import sys
 from pathlib import Path
 
@@ -17,8 +18,10 @@ SAME_STEP = gym.vector.AutoresetMode.SAME_STEP
 
 def vector_env(env_id, num_envs):
     """Vector env built exactly as the trainer builds its own."""
-    return gym.vector.SyncVectorEnv([trainer.make_env(env_id, i, False, "test") for i in range(num_envs)],
-                                    autoreset_mode=SAME_STEP)
+    return gym.vector.SyncVectorEnv(
+        [trainer.make_env(env_id, i, False, "test") for i in range(num_envs)],
+        autoreset_mode=SAME_STEP,
+    )
 
 
 def frames_all_identical(stack):
@@ -42,7 +45,9 @@ def test_observations_are_uint8_stacks_of_four_84x84_frames():
         assert all(space.contains(o) for o in obs)
         rng = np.random.default_rng(0)
         for _ in range(3):
-            obs, rewards, terminated, truncated, _ = envs.step(rng.integers(envs.single_action_space.n, size=2))
+            obs, rewards, terminated, truncated, _ = envs.step(
+                rng.integers(envs.single_action_space.n, size=2)
+            )
             assert obs.shape == (2, 4, 84, 84) and obs.dtype == np.uint8
             assert all(space.contains(o) for o in obs)
             assert rewards.shape == terminated.shape == truncated.shape == (2,)
@@ -110,7 +115,9 @@ def test_rewards_are_clipped_but_episode_return_is_the_unclipped_game_score():
         returned_rewards, episode = [], None
         for _ in range(3000):  # a random SpaceInvaders game lasts ~500-1000 agent steps
             n_raw = len(raw)
-            _, rewards, terminated, truncated, infos = envs.step(rng.integers(envs.single_action_space.n, size=1))
+            _, rewards, terminated, truncated, infos = envs.step(
+                rng.integers(envs.single_action_space.n, size=1)
+            )
             assert len(raw) >= n_raw + 4, "the monkeypatched emulator step is not being called"
             returned_rewards.append(float(rewards[0]))
             final = infos.get("final_info", {})
@@ -120,9 +127,11 @@ def test_rewards_are_clipped_but_episode_return_is_the_unclipped_game_score():
         else:
             pytest.fail("no finished game within 3000 random steps")
 
-        assert set(returned_rewards) <= {-1.0, 0.0, 1.0}, "rewards seen by the learner must be clipped"
-        # sum the game's frames up to its end only: the autoreset after it already played the next game's
-        # no-ops and FIRE steps through the same (patched) emulator
+        assert set(returned_rewards) <= {-1.0, 0.0, 1.0}, (
+            "rewards seen by the learner must be clipped"
+        )
+        # sum the game's frames up to its end only: the autoreset after it already played the next
+        # game's no-ops and FIRE steps through the same (patched) emulator
         game_end = next(i for i, (_, ended) in enumerate(raw) if ended)
         game_rewards = [r for r, _ in raw[: game_end + 1]]
         assert max(game_rewards) > 1, "SpaceInvaders gives raw rewards > 1; none were seen"
@@ -140,7 +149,9 @@ def test_same_step_autoreset_returns_the_next_episodes_first_observation(breakou
     envs.reset(seed=0)
     rng = np.random.default_rng(0)
     for _ in range(2000):
-        obs, _, terminated, truncated, infos = envs.step(rng.integers(envs.single_action_space.n, size=1))
+        obs, _, terminated, truncated, infos = envs.step(
+            rng.integers(envs.single_action_space.n, size=1)
+        )
         if terminated[0] or truncated[0]:
             break
     else:
@@ -200,13 +211,20 @@ def test_v5_env_ids_skip_frames_exactly_once(env_id):
             before = ale.getEpisodeFrameNumber()
             _, _, terminated, truncated, _ = env.step(action)
             assert not (terminated or truncated)
-            assert ale.getEpisodeFrameNumber() - before == 4, "one agent step must be 4 emulator frames"
+            assert ale.getEpisodeFrameNumber() - before == 4, (
+                "one agent step must be 4 emulator frames"
+            )
     finally:
         env.close()
 
 
-@pytest.mark.parametrize("bad_id, suggestion", [("BreakoutNoFrameskip-v5", "BreakoutNoFrameskip-v4"),
-                                                ("BreakoutNoFrameskp-v4", "BreakoutNoFrameskip-v4")])
+@pytest.mark.parametrize(
+    "bad_id, suggestion",
+    [
+        ("BreakoutNoFrameskip-v5", "BreakoutNoFrameskip-v4"),
+        ("BreakoutNoFrameskp-v4", "BreakoutNoFrameskip-v4"),
+    ],
+)
 def test_unknown_env_id_names_it_and_suggests_a_close_match(bad_id, suggestion):
     assert bad_id not in gym.registry and suggestion in gym.registry
     with pytest.raises(ValueError) as err:

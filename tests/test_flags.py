@@ -1,4 +1,5 @@
-"""Batch-size flags: every consistent subset resolves to the same table; inconsistent ones are refused."""
+"""Batch-size flags: every consistent subset resolves to the same table; others are refused."""
+
 import pytest
 
 from ppo_atari_multigpu import Args, resolve_sizes
@@ -41,19 +42,36 @@ def test_num_iterations_counts_whole_global_rollouts():
     assert (a.batch_size, a.num_iterations) == (1024, 40)
 
 
-@pytest.mark.parametrize("world_size, flags, words", [
-    (2, dict(num_envs=7), ["--num-envs 7", "world size 2"]),
-    (2, dict(num_envs=8, local_num_envs=3), ["--num-envs 8", "--local-num-envs 3"]),
-    (1, dict(local_batch_size=100), ["--local-batch-size 100", "--local-num-envs 8"]),
-    (1, dict(local_batch_size=256, local_num_envs=8, num_steps=64), ["--local-batch-size 256", "--num-steps 64"]),
-    (1, dict(local_minibatch_size=100), ["--local-minibatch-size 100", "--local-batch-size 1024"]),
-    (1, dict(local_minibatch_size=256, num_minibatches=8), ["--num-minibatches 8", "--local-minibatch-size 256"]),
-    (1, dict(num_minibatches=3), ["--num-minibatches 3", "1024"]),
-    (1, dict(grad_accum=3), ["--grad-accum 3", "256"]),
-    (2, dict(total_timesteps=1000), ["--total-timesteps 1000", "2048"]),
-    (1, dict(local_num_envs=0), ["--local-num-envs", "0"]),
-])
-def test_inconsistent_sizes_are_refused_with_a_message_naming_flags_and_numbers(world_size, flags, words):
+@pytest.mark.parametrize(
+    "world_size, flags, words",
+    [
+        (2, dict(num_envs=7), ["--num-envs 7", "world size 2"]),
+        (2, dict(num_envs=8, local_num_envs=3), ["--num-envs 8", "--local-num-envs 3"]),
+        (1, dict(local_batch_size=100), ["--local-batch-size 100", "--local-num-envs 8"]),
+        (
+            1,
+            dict(local_batch_size=256, local_num_envs=8, num_steps=64),
+            ["--local-batch-size 256", "--num-steps 64"],
+        ),
+        (
+            1,
+            dict(local_minibatch_size=100),
+            ["--local-minibatch-size 100", "--local-batch-size 1024"],
+        ),
+        (
+            1,
+            dict(local_minibatch_size=256, num_minibatches=8),
+            ["--num-minibatches 8", "--local-minibatch-size 256"],
+        ),
+        (1, dict(num_minibatches=3), ["--num-minibatches 3", "1024"]),
+        (1, dict(grad_accum=3), ["--grad-accum 3", "256"]),
+        (2, dict(total_timesteps=1000), ["--total-timesteps 1000", "2048"]),
+        (1, dict(local_num_envs=0), ["--local-num-envs", "0"]),
+    ],
+)
+def test_inconsistent_sizes_are_refused_with_a_message_naming_flags_and_numbers(
+    world_size, flags, words
+):
     with pytest.raises(ValueError) as err:
         resolve(world_size, **flags)
     for word in words:

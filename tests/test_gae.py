@@ -1,4 +1,5 @@
 """GAE against a plain per-episode reference on random data with episode ends mid-rollout."""
+
 import numpy as np
 import torch
 
@@ -31,8 +32,11 @@ def test_gae_matches_per_episode_reference_with_dones_mid_rollout():
     starts = (rng.random((T, N)) < 0.2).astype(np.float64)
     last_value, last_start = rng.normal(size=N), np.array([1.0, 0.0, 0.0])
     assert starts[1:].sum() > 0  # episode ends inside the rollout are exercised
-    adv, ret = compute_gae(*(torch.tensor(x) for x in (rewards, values, starts, last_value[None], last_start)),
-                           gamma, lam)
+    adv, ret = compute_gae(
+        *(torch.tensor(x) for x in (rewards, values, starts, last_value[None], last_start)),
+        gamma,
+        lam,
+    )
     expected = reference_gae(rewards, values, starts, last_value, last_start, gamma, lam)
     np.testing.assert_allclose(adv.numpy(), expected, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(ret.numpy(), expected + values, rtol=1e-10, atol=1e-10)

@@ -1,4 +1,5 @@
-"""--env-backend sync (gymnasium SyncVectorEnv) vs native (ale-py's AtariVectorEnv): same semantics."""
+"""--env-backend sync (gymnasium SyncVectorEnv) vs native (ale-py AtariVectorEnv): same rules."""
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -11,8 +12,9 @@ SAME_STEP = gym.vector.AutoresetMode.SAME_STEP
 
 
 def make_sync(env_id, n):
-    return gym.vector.SyncVectorEnv([ppo.make_env(env_id, i, False, "test") for i in range(n)],
-                                    autoreset_mode=SAME_STEP)
+    return gym.vector.SyncVectorEnv(
+        [ppo.make_env(env_id, i, False, "test") for i in range(n)], autoreset_mode=SAME_STEP
+    )
 
 
 BACKENDS = {"sync": make_sync, "native": lambda env_id, n: NativeVectorEnv(env_id, n, 1)}
@@ -23,15 +25,22 @@ def games(infos):
     fi = infos.get("final_info", {})
     if "episode" not in fi:
         return []
-    return [(int(i), float(fi["episode"]["r"][i]), int(fi["episode"]["l"][i]))
-            for i in np.flatnonzero(fi["_episode"])]
+    return [
+        (int(i), float(fi["episode"]["r"][i]), int(fi["episode"]["l"][i]))
+        for i in np.flatnonzero(fi["_episode"])
+    ]
 
 
 def test_backends_agree_on_spaces_dtypes_and_clipped_rewards():
     n, rng = 2, np.random.default_rng(0)
-    sync, nat = make_sync("SpaceInvadersNoFrameskip-v4", n), NativeVectorEnv("SpaceInvadersNoFrameskip-v4", n, 1)
+    sync, nat = (
+        make_sync("SpaceInvadersNoFrameskip-v4", n),
+        NativeVectorEnv("SpaceInvadersNoFrameskip-v4", n, 1),
+    )
     assert nat.single_observation_space == sync.single_observation_space
-    assert nat.single_action_space == sync.single_action_space and nat.num_envs == sync.num_envs == n
+    assert (
+        nat.single_action_space == sync.single_action_space and nat.num_envs == sync.num_envs == n
+    )
     (so, _), (no, _) = sync.reset(seed=[0, 1]), nat.reset(seed=[0, 1])
     assert so.shape == no.shape == (n, 4, 84, 84) and so.dtype == no.dtype == np.uint8
     nonzero = {"sync": 0, "native": 0}
@@ -98,7 +107,13 @@ def test_native_game_return_is_unclipped_sum_over_all_lives():
     env = NativeVectorEnv("SpaceInvadersNoFrameskip-v4", n, 1)
     assert env.fire  # action 1 of space invaders is FIRE: the replacement is exercised
     env.reset(seed=seeds)
-    rng, fire_next, executed, got, lives_lost = np.random.default_rng(1), np.zeros(n, bool), [[], []], [], 0
+    rng, fire_next, executed, got, lives_lost = (
+        np.random.default_rng(1),
+        np.zeros(n, bool),
+        [[], []],
+        [],
+        0,
+    )
     while len({i for i, _, _ in got}) < n:
         a = rng.integers(0, env.single_action_space.n, n)
         for i in range(n):
@@ -109,8 +124,14 @@ def test_native_game_return_is_unclipped_sum_over_all_lives():
         lives_lost += fire_next.sum()
     ref, big = [], 0
     for i in range(n):
-        raw = AtariVectorEnv("space_invaders", 1, num_threads=1, autoreset_mode="NextStep",
-                             reward_clipping=False, stack_num=1)
+        raw = AtariVectorEnv(
+            "space_invaders",
+            1,
+            num_threads=1,
+            autoreset_mode="NextStep",
+            reward_clipping=False,
+            stack_num=1,
+        )
         raw.reset(seed=np.array([seeds[i]]))
         ret = 0.0
         for a in executed[i]:
@@ -180,7 +201,9 @@ def test_same_step_game_over_returns_new_game_first_stack(backend):
         prev = obs
         obs, _, term, trunc, infos = env.step(rng.integers(0, 4, 2))
         for i, _, _ in games(infos):
-            final = np.asarray(infos["final_obs"][i])  # gymnasium: object array; native: (N,4,84,84)
+            final = np.asarray(
+                infos["final_obs"][i]
+            )  # gymnasium: object array; native: (N,4,84,84)
             assert infos["_final_obs"][i] and infos["lives"][i] == 5
             assert (obs[i] == obs[i, 0]).all()  # the new game's first frame, 4 times
             assert (final[:3] == prev[i, 1:]).all()  # the old game's real last stack ...
@@ -193,8 +216,11 @@ def test_same_step_game_over_returns_new_game_first_stack(backend):
 
 
 def test_native_truncation_gives_final_obs_and_episode():
-    gym.register("BreakoutShortNoFrameskip-v4", entry_point="ale_py.env:AtariEnv",
-                 kwargs={**gym.spec("BreakoutNoFrameskip-v4").kwargs, "max_num_frames_per_episode": 400})
+    gym.register(
+        "BreakoutShortNoFrameskip-v4",
+        entry_point="ale_py.env:AtariEnv",
+        kwargs={**gym.spec("BreakoutNoFrameskip-v4").kwargs, "max_num_frames_per_episode": 400},
+    )
     env = NativeVectorEnv("BreakoutShortNoFrameskip-v4", 2, 1)
     obs, _ = env.reset(seed=[7, 8])
     for _ in range(200):

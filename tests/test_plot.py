@@ -1,4 +1,5 @@
 """Tests for benchmark/plot.py on small synthetic TensorBoard logs with known values."""
+
 import importlib.util
 import statistics
 from pathlib import Path
@@ -8,7 +9,8 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 _spec = importlib.util.spec_from_file_location(
-    "benchmark_plot", Path(__file__).resolve().parents[1] / "benchmark" / "plot.py")
+    "benchmark_plot", Path(__file__).resolve().parents[1] / "benchmark" / "plot.py"
+)
 plot = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plot)
 
@@ -39,7 +41,10 @@ def write_run(runs_dir, name, returns, sps=(), step_per_episode=100, sec_per_ste
 
 def test_run_name_parsing_keeps_underscores_in_exp_name_and_reads_seed_third():
     assert plot.parse_run_name("BreakoutNoFrameskip-v4__ppo_atari_multigpu__3__1764670000") == (
-        "BreakoutNoFrameskip-v4", "ppo_atari_multigpu", 3)
+        "BreakoutNoFrameskip-v4",
+        "ppo_atari_multigpu",
+        3,
+    )
     assert plot.parse_run_name("Pong-v4__a__b_c__1__2") == ("Pong-v4", "a__b_c", 1)
     assert plot.parse_run_name("not_a_run") is None
 
@@ -53,13 +58,20 @@ def test_results_table_mean_and_std_over_seeds_of_last_n_episode_means(tmp_path)
 
     expected_means = [statistics.fmean(seed1[-4:]), statistics.fmean(seed2[-4:])]  # 7.5, 45
     (row,) = rows
-    assert (row["env_id"], row["exp_name"], row["n_seeds"], row["episodes"]) == ("Pong-v4", "my_exp", 2, 8)
+    assert (row["env_id"], row["exp_name"], row["n_seeds"], row["episodes"]) == (
+        "Pong-v4",
+        "my_exp",
+        2,
+        8,
+    )
     assert sorted(row["seed_means"]) == pytest.approx(expected_means)
     assert row["return_mean"] == pytest.approx(statistics.fmean(expected_means))  # 26.25
     assert row["return_std"] == pytest.approx(statistics.pstdev(expected_means))  # 18.75
     assert row["sps"] == pytest.approx((200 + 550) / 2)  # mean over seeds of per-run median SPS
     assert row["final_step"] == (600, 1000)
-    assert row["minutes"] == pytest.approx((9 + 5) / 60 / 2)  # first to last point: 900 and 500 steps * 0.01 s
+    assert row["minutes"] == pytest.approx(
+        (9 + 5) / 60 / 2
+    )  # first to last point: 900 and 500 steps * 0.01 s
 
     table = plot.format_tables(rows, last_n=4)
     assert "| Pong-v4 | my_exp | 26.25 ± 18.75 | 2 | 8 |" in table
@@ -74,8 +86,12 @@ def test_resumed_run_drops_superseded_points_and_excludes_downtime_from_elapsed_
     t_resume = T0 + 3600
     # The finished run also logs its final evaluation, indexed by episode (steps 0, 1): that must
     # not count as a restart at step 0.
-    write_events(run_dir, [(plot.RETURN, s, 2.0, t_resume + (s - 300) / 100) for s in range(300, 800, 100)]
-                 + [("eval/episodic_return", i, 9.0, t_resume + 4) for i in range(2)], ".b")
+    write_events(
+        run_dir,
+        [(plot.RETURN, s, 2.0, t_resume + (s - 300) / 100) for s in range(300, 800, 100)]
+        + [("eval/episodic_return", i, 9.0, t_resume + 4) for i in range(2)],
+        ".b",
+    )
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
 
     steps, values, elapsed = plot.load_run(str(run_dir))[plot.RETURN]
@@ -110,8 +126,13 @@ def test_main_writes_valid_png_plots_for_runs_of_different_lengths(tmp_path):
     for env in ("Pong-v4", "Breakout-v4"):
         for exp in ("ppo_a", "ppo_b"):
             for seed, n in ((1, 30), (2, 45)):
-                write_run(runs, f"{env}__{exp}__{seed}__100", rng.normal(size=n).cumsum(), sps=[100] * 5)
-    assert plot.main(["--runs-dir", str(runs), "--out-dir", str(out), "--exp-names", "ppo_a", "ppo_b"]) == 0
+                write_run(
+                    runs, f"{env}__{exp}__{seed}__100", rng.normal(size=n).cumsum(), sps=[100] * 5
+                )
+    assert (
+        plot.main(["--runs-dir", str(runs), "--out-dir", str(out), "--exp-names", "ppo_a", "ppo_b"])
+        == 0
+    )
     for name in ("returns_vs_steps.png", "returns_vs_time.png"):
         data = (out / name).read_bytes()
         assert len(data) > 1000 and data.startswith(PNG_MAGIC)

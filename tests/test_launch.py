@@ -1,0 +1,66 @@
+"""Device and backend choice (a pure function of flags and launch layout), and run-time flags."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import SCRIPT
+
+import ppo_atari_multigpu as ppo
+
+
+def choose(num_gpus, world_size=1, local_world_size=1, rank=0, **flags):
+    return ppo.choose_device(ppo.Args(**flags), rank, world_size, local_world_size, num_gpus)
+
+
+def test_no_gpu_or_no_cuda_flag_gives_cpu_and_gloo():
+    assert choose(0, world_size=2, local_world_size=2, rank=1) == (torch.device("cpu"), "gloo")
+    assert choose(4, cuda=False) == (torch.device("cpu"), "gloo")
+
+
+def test_one_gpu_per_rank_gives_nccl_on_the_local_gpu():
+    # 2 nodes x 2 ranks, 2 GPUs per node: global rank 3 is local rank 1 on the second node
+    device, backend = choose(2, world_size=4, local_world_size=2, rank=3)
+    assert (device, backend) == (torch.device("cuda", 1), "nccl")
+
+
+def test_more_ranks_than_gpus_on_a_node_falls_back_to_gloo_on_shared_gpus():
+    device, backend = choose(2, world_size=4, local_world_size=4, rank=2)
+    assert (device, backend) == (torch.device("cuda", 0), "gloo")
+    device, backend = choose(2, world_size=4, local_world_size=4, rank=1, device_ids=[0, 0, 1, 1])
+    assert (device, backend) == (torch.device("cuda", 0), "gloo")
+
+
+@pytest.mark.parametrize(
+    "num_gpus, world, flags, words",
+    [
+        (0, 2, dict(backend="nccl"), ["--backend nccl needs CUDA", "use --backend gloo"]),
+        (4, 1, dict(backend="nccl", cuda=False), ["--backend nccl needs CUDA"]),
+        (2, 4, dict(backend="nccl"), ["nccl refuses two ranks on one GPU", "[0, 1, 0, 1]"]),
+        (2, 2, dict(device_ids=[0]), ["--device-ids has 1 ids for world size 2"]),
+        (2, 2, dict(device_ids=[0, 3]), ["--device-ids [0, 3]", "2 GPUs"]),
+    ],
+)
+def test_impossible_device_choices_are_refused_naming_the_flags(num_gpus, world, flags, words):
+    with pytest.raises(ValueError) as err:
+        choose(num_gpus, world_size=world, local_world_size=world, **flags)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_every_rank_reaches_the_same_backend():
+    for num_gpus in (0, 1, 2, 4):
+        verdicts = {choose(num_gpus, 4, 4, rank)[1] for rank in range(4)}
+        assert len(verdicts) == 1, (num_gpus, verdicts)
+
+
+@pytest.mark.parametrize(
+    "flag", ["--batch-size", "--minibatch-size", "--num-iterations", "--world-size"]
+)
+def test_sizes_computed_at_run_time_are_not_flags(flag):
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), flag, "8"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2
+    assert "Unrecognized options" in out.stderr and flag in out.stderr
