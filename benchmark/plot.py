@@ -1,10 +1,12 @@
 """Plot and tabulate PPO Atari runs from their TensorBoard logs.
 
-    python benchmark/plot.py --runs-dir runs --out-dir benchmark/results [--exp-names a b] [--last-n 100]
+    python benchmark/plot.py --runs-dir runs --out-dir benchmark/results \
+        [--exp-names a b] [--last-n 100]
 
 Run directories are named f"{env_id}__{exp_name}__{seed}__{unix_timestamp}" (as the trainer writes
 them). Writes returns_vs_steps.png, returns_vs_time.png and results.md into --out-dir.
 """
+
 import argparse
 import glob
 import math
@@ -54,15 +56,17 @@ def load_run(run_dir):
         # explicit wall times earlier than the file's creation.
         t0 = min(acc.FirstEventTimestamp(), first_wall)
         # eval/* is indexed by evaluation episode, not global step: it says nothing about restarts
-        restart_step = min((e.step for tag, evs in scalars.items() if not tag.startswith("eval/") for e in evs),
-                           default=math.inf)
+        restart_step = min(
+            (e.step for tag, evs in scalars.items() if not tag.startswith("eval/") for e in evs),
+            default=math.inf,
+        )
         files.append((first_wall, path, restart_step, t0, scalars))
     files.sort(key=lambda f: f[:2])  # file names are only second-resolution: order by wall time
 
     cols = defaultdict(lambda: ([], [], []))
     offset = 0.0
     for i, (_, _, _, t0, scalars) in enumerate(files):
-        cutoff = min((f[2] for f in files[i + 1:]), default=math.inf)
+        cutoff = min((f[2] for f in files[i + 1 :]), default=math.inf)
         end = offset
         for tag, events in scalars.items():
             steps, values, elapsed = cols[tag]
@@ -77,8 +81,11 @@ def load_run(run_dir):
     for tag, (steps, values, elapsed) in cols.items():
         if steps:
             order = np.argsort(steps, kind="stable")  # keeps episode order within one step
-            out[tag] = (np.asarray(steps, np.int64)[order], np.asarray(values, float)[order],
-                        np.asarray(elapsed, float)[order])
+            out[tag] = (
+                np.asarray(steps, np.int64)[order],
+                np.asarray(values, float)[order],
+                np.asarray(elapsed, float)[order],
+            )
     return out
 
 
@@ -87,8 +94,8 @@ def discover_runs(runs_dir, exp_names=None):
     '/' (e.g. ALE/Breakout-v5, which nests the run dir) still work. Raises ValueError if none."""
     if not os.path.isdir(runs_dir):
         raise ValueError(f"runs dir '{runs_dir}' does not exist or is not a directory")
-    run_dirs = sorted({os.path.dirname(p) for p in
-                       glob.glob(os.path.join(runs_dir, "**", EVENT_GLOB), recursive=True)})
+    event_files = glob.glob(os.path.join(runs_dir, "**", EVENT_GLOB), recursive=True)
+    run_dirs = sorted({os.path.dirname(p) for p in event_files})
     if not run_dirs:
         raise ValueError(f"no TensorBoard event files ({EVENT_GLOB}) found under '{runs_dir}'")
     runs = []
@@ -96,13 +103,23 @@ def discover_runs(runs_dir, exp_names=None):
         name = os.path.relpath(run_dir, runs_dir).replace(os.sep, "/")
         parsed = parse_run_name(name)
         if parsed is None:
-            print(f"warning: skipping '{name}': not named env__exp__seed__timestamp", file=sys.stderr)
+            msg = f"warning: skipping '{name}': not named env__exp__seed__timestamp"
+            print(msg, file=sys.stderr)
         elif exp_names is None or parsed[1] in exp_names:
-            runs.append(dict(name=name, env_id=parsed[0], exp_name=parsed[1], seed=parsed[2],
-                             data=load_run(run_dir)))
+            runs.append(
+                dict(
+                    name=name,
+                    env_id=parsed[0],
+                    exp_name=parsed[1],
+                    seed=parsed[2],
+                    data=load_run(run_dir),
+                )
+            )
     if not runs:
-        raise ValueError(f"no matching runs under '{runs_dir}'"
-                         + (f" for --exp-names {' '.join(exp_names)}" if exp_names else ""))
+        raise ValueError(
+            f"no matching runs under '{runs_dir}'"
+            + (f" for --exp-names {' '.join(exp_names)}" if exp_names else "")
+        )
     return runs
 
 
@@ -119,21 +136,32 @@ def summarize(runs, last_n=100):
     for (env_id, exp_name), group in group_runs(runs).items():
         seeds = [r["seed"] for r in group]
         if len(set(seeds)) < len(seeds):
-            print(f"warning: {env_id} {exp_name}: seed repeated in {seeds}, each run counts as one",
-                  file=sys.stderr)
+            print(
+                f"warning: {env_id} {exp_name}: seed repeated in {seeds}, each run counts as one",
+                file=sys.stderr,
+            )
         tails = [r["data"][RETURN][1][-last_n:] for r in group if RETURN in r["data"]]
         means = [float(t.mean()) for t in tails]
         finals = [max(int(s[-1]) for s, _, _ in r["data"].values()) for r in group if r["data"]]
-        minutes = [max(float(t.max()) for _, _, t in r["data"].values()) / 60 for r in group if r["data"]]
+        minutes = [
+            max(float(t.max()) for _, _, t in r["data"].values()) / 60 for r in group if r["data"]
+        ]
         sps = [float(np.median(r["data"][SPS][1])) for r in group if SPS in r["data"]]
-        rows.append(dict(
-            env_id=env_id, exp_name=exp_name, n_seeds=len(group), seed_means=means,
-            return_mean=float(np.mean(means)) if means else None,
-            return_std=float(np.std(means)) if means else None,  # population std (ddof=0)
-            episodes=sum(len(t) for t in tails), no_episode_runs=len(group) - len(means),
-            minutes=float(np.mean(minutes)) if minutes else None,
-            sps=float(np.mean(sps)) if sps else None,
-            final_step=(min(finals), max(finals)) if finals else None))
+        rows.append(
+            dict(
+                env_id=env_id,
+                exp_name=exp_name,
+                n_seeds=len(group),
+                seed_means=means,
+                return_mean=float(np.mean(means)) if means else None,
+                return_std=float(np.std(means)) if means else None,  # population std (ddof=0)
+                episodes=sum(len(t) for t in tails),
+                no_episode_runs=len(group) - len(means),
+                minutes=float(np.mean(minutes)) if minutes else None,
+                sps=float(np.mean(sps)) if sps else None,
+                final_step=(min(finals), max(finals)) if finals else None,
+            )
+        )
     return rows
 
 
@@ -141,23 +169,41 @@ def format_tables(rows, last_n):
     def fmt(value, spec):
         return "n/a" if value is None else format(value, spec)
 
-    lines = [f"## Episodic return (mean of each seed's last {last_n} episodes; mean ± std over seeds, ddof=0)",
-             "", "| Game | Variant | Return | Seeds | Episodes counted |", "|---|---|---|---|---|"]
+    lines = [
+        f"## Episodic return (mean of each seed's last {last_n} episodes; "
+        "mean ± std over seeds, ddof=0)",
+        "",
+        "| Game | Variant | Return | Seeds | Episodes counted |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        ret = ("no finished episode" if r["return_mean"] is None
-               else f"{r['return_mean']:.2f} ± {r['return_std']:.2f}")
+        ret = (
+            "no finished episode"
+            if r["return_mean"] is None
+            else f"{r['return_mean']:.2f} ± {r['return_std']:.2f}"
+        )
         seeds = str(r["n_seeds"])
         if r["no_episode_runs"] and r["return_mean"] is not None:
             seeds += f" ({r['no_episode_runs']} with no finished episode)"
         lines.append(f"| {r['env_id']} | {r['exp_name']} | {ret} | {seeds} | {r['episodes']} |")
-    lines += ["", "## Runtime (mean over seeds; SPS = mean of each run's median charts/SPS)", "",
-              "| Game | Variant | Elapsed training time (min) | SPS | Final global step |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Runtime (mean over seeds; SPS = mean of each run's median charts/SPS)",
+        "",
+        "| Game | Variant | Elapsed training time (min) | SPS | Final global step |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         lo_hi = r["final_step"]
-        step = "n/a" if lo_hi is None else (str(lo_hi[0]) if lo_hi[0] == lo_hi[1] else f"{lo_hi[0]}–{lo_hi[1]}")
-        lines.append(f"| {r['env_id']} | {r['exp_name']} | {fmt(r['minutes'], '.1f')} | "
-                     f"{fmt(r['sps'], '.0f')} | {step} |")
+        step = (
+            "n/a"
+            if lo_hi is None
+            else (str(lo_hi[0]) if lo_hi[0] == lo_hi[1] else f"{lo_hi[0]}–{lo_hi[1]}")
+        )
+        lines.append(
+            f"| {r['env_id']} | {r['exp_name']} | {fmt(r['minutes'], '.1f')} | "
+            f"{fmt(r['sps'], '.0f')} | {step} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -171,7 +217,8 @@ def rolling_mean(values, window):
 
 def mean_curve(curves, n_points=200):
     """(grid, mean, min, max) of several (x, y) curves, interpolated onto the x range that every
-    curve covers (so it stops at the shortest seed's end and never extrapolates); None if disjoint."""
+    curve covers (so it stops at the shortest seed's end and never extrapolates); None if
+    disjoint."""
     lo, hi = max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves)
     if hi < lo:
         return None
@@ -192,12 +239,18 @@ def plot_returns(runs, out_path, x_axis="steps", smooth=20):
             for run in group:
                 if g_env == env and RETURN in run["data"]:
                     steps, values, elapsed = run["data"][RETURN]
-                    curves.append((steps if x_axis == "steps" else elapsed / 60, rolling_mean(values, smooth)))
+                    curves.append(
+                        (steps if x_axis == "steps" else elapsed / 60, rolling_mean(values, smooth))
+                    )
             band = mean_curve(curves) if curves else None
             if band is not None:
                 grid, mean, lo, hi = band
-                (line,) = ax.plot(grid, mean, marker="o" if len(grid) == 1 else None,
-                                  label=f"{exp} ({len(curves)} seeds)")
+                (line,) = ax.plot(
+                    grid,
+                    mean,
+                    marker="o" if len(grid) == 1 else None,
+                    label=f"{exp} ({len(curves)} seeds)",
+                )
                 ax.fill_between(grid, lo, hi, color=line.get_color(), alpha=0.2)
         if ax.lines:
             ax.legend(fontsize=8)
@@ -206,7 +259,7 @@ def plot_returns(runs, out_path, x_axis="steps", smooth=20):
         ax.set_title(env)
         ax.set_xlabel("global step" if x_axis == "steps" else "elapsed training time (min)")
         ax.set_ylabel(f"episodic return (rolling mean, {smooth} ep.)")
-    for ax in axes.flat[len(envs):]:
+    for ax in axes.flat[len(envs) :]:
         ax.set_visible(False)
     fig.suptitle("mean over seeds; shaded band: min–max over seeds")
     fig.tight_layout()
@@ -220,7 +273,9 @@ def main(argv=None):
     parser.add_argument("--out-dir", default="benchmark/results")
     parser.add_argument("--exp-names", nargs="+", default=None, help="only these variants")
     parser.add_argument("--last-n", type=int, default=100, help="episodes per seed in the table")
-    parser.add_argument("--smooth", type=int, default=20, help="rolling-mean window (episodes) for plots")
+    parser.add_argument(
+        "--smooth", type=int, default=20, help="rolling-mean window (episodes) for plots"
+    )
     args = parser.parse_args(argv)
     if args.last_n < 1 or args.smooth < 1:
         parser.error("--last-n and --smooth must be >= 1")  # a[-0:] would silently mean "all"

@@ -1,8 +1,10 @@
 """Throughput of ppo_atari_multigpu.py, side by side, in one invocation (run from anywhere):
     python benchmark/throughput.py [--iterations 30] [--repeats 3] [--only "2x4" ceiling ...]
-Writes a markdown table to stdout and to benchmark/results/throughput-<host>.md; progress goes to stderr.
+Writes a markdown table to stdout and to benchmark/results/throughput-<host>.md; progress goes
+to stderr.
 Trainer configurations and ceilings (env stepping, update, all-reduce alone) run alternately
 (A B C A B C ...), so slow drift of a shared machine hits every configuration alike."""
+
 import argparse
 import datetime
 import importlib.util
@@ -27,26 +29,46 @@ NUM_STEPS = 128  # trainer default steps per env per rollout: batch = ranks x en
 WARMUP_ITERS = 2  # first iterations pay for allocation, caches and thread start-up
 REF_SPS = 309  # the reference's 2x4 on this machine class: 306-312 SPS
 
-# (name, ranks, envs per rank, flags); ranks 1 runs under plain python, more under torchrun --standalone
-VARIANTS = [("default", []), ("no-channels-last", ["--no-channels-last"]), ("bf16", ["--amp", "bf16"]),
-            ("compile", ["--compile"]),
-            ("native", ["--env-backend", "native"]), ("async", ["--async-envs"]),
-            ("native+bf16", ["--env-backend", "native", "--amp", "bf16"])]
-CPU_CONFIGS = [(f"{layout} {variant}", ranks, envs, flags)
-               for layout, ranks, envs in [("1x8", 1, 8), ("2x4", 2, 4), ("2x8", 2, 8)]
-               for variant, flags in VARIANTS]
+# (name, ranks, envs per rank, flags); 1 rank runs under plain python, more under
+# torchrun --standalone
+VARIANTS = [
+    ("default", []),
+    ("no-channels-last", ["--no-channels-last"]),
+    ("bf16", ["--amp", "bf16"]),
+    ("compile", ["--compile"]),
+    ("native", ["--env-backend", "native"]),
+    ("async", ["--async-envs"]),
+    ("native+bf16", ["--env-backend", "native", "--amp", "bf16"]),
+]
+CPU_CONFIGS = [
+    (f"{layout} {variant}", ranks, envs, flags)
+    for layout, ranks, envs in [("1x8", 1, 8), ("2x4", 2, 4), ("2x8", 2, 8)]
+    for variant, flags in VARIANTS
+]
 # --gpu-set: one GPU shared by 1 or 4 ranks (4 ranks need gloo: nccl refuses two ranks on one GPU)
-GPU_VARIANTS = [("sync", []), ("native", ["--env-backend", "native"]), ("bf16", ["--amp", "bf16"]),
-                ("native+bf16", ["--env-backend", "native", "--amp", "bf16"])]
-GPU_CONFIGS = [(f"gpu {layout} {variant}", ranks, envs, base + flags)
-               for layout, ranks, envs, base in [
-                   ("1x8", 1, 8, []),
-                   ("4x8 gloo", 4, 8, ["--backend", "gloo", "--device-ids", "0", "0", "0", "0"])]
-               for variant, flags in GPU_VARIANTS]
-# (name, worker kind): each runs as `throughput.py --worker KIND` in its own process, like a trainer run
-CEILINGS = [("ceiling env sync 8 envs", "env"), ("ceiling env native 8 envs", "native"),
-            ("ceiling update fp32", "update"), ("ceiling update bf16", "update-bf16"),
-            ("ceiling all-reduce 2 gloo ranks", "allreduce")]
+GPU_VARIANTS = [
+    ("sync", []),
+    ("native", ["--env-backend", "native"]),
+    ("bf16", ["--amp", "bf16"]),
+    ("native+bf16", ["--env-backend", "native", "--amp", "bf16"]),
+]
+GPU_CONFIGS = [
+    (f"gpu {layout} {variant}", ranks, envs, base + flags)
+    for layout, ranks, envs, base in [
+        ("1x8", 1, 8, []),
+        ("4x8 gloo", 4, 8, ["--backend", "gloo", "--device-ids", "0", "0", "0", "0"]),
+    ]
+    for variant, flags in GPU_VARIANTS
+]
+# (name, worker kind): each runs as `throughput.py --worker KIND` in its own process, like a
+# trainer run
+CEILINGS = [
+    ("ceiling env sync 8 envs", "env"),
+    ("ceiling env native 8 envs", "native"),
+    ("ceiling update fp32", "update"),
+    ("ceiling update bf16", "update-bf16"),
+    ("ceiling all-reduce 2 gloo ranks", "allreduce"),
+]
 
 
 def load_trainer():
@@ -73,31 +95,46 @@ def step_random(envs, num_envs, vector_steps=NUM_STEPS):
 
 def worker_env(mod, a):
     import gymnasium as gym
-    envs = gym.vector.SyncVectorEnv([mod.make_env(a.env_id, i, False, "bench") for i in range(8)],
-                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+    envs = gym.vector.SyncVectorEnv(
+        [mod.make_env(a.env_id, i, False, "bench") for i in range(8)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
     return {"env steps/s": step_random(envs, 8)}
 
 
 def worker_native(mod, a):
-    """ale-py's C++ vector env as the trainer wraps it (--env-backend native), one and all threads."""
-    return {f"env steps/s, {t} thread(s)": step_random(mod.NativeVectorEnv(a.env_id, 8, num_threads=t), 8)
-            for t in sorted({1, os.cpu_count()})}
+    """ale-py's C++ vector env as the trainer wraps it (--env-backend native), with one thread
+    and with all."""
+    result = {}
+    for t in sorted({1, os.cpu_count()}):
+        envs = mod.NativeVectorEnv(a.env_id, 8, num_threads=t)
+        result[f"env steps/s, {t} thread(s)"] = step_random(envs, 8)
+    return result
 
 
 def worker_update(mod, a, bf16):
-    """The trainer's own minibatch_gradient + clip + Adam on random data: 4 epochs x 4 x 256."""
+    """The trainer's own minibatch_gradient + clip + Adam on random data: 4 epochs x 4 x 256,
+    with the trainer's precision (bf16 autocast or none) and optimizer-step sequence."""
     import gymnasium as gym
     import torch
-    torch.set_num_threads(len(os.sched_getaffinity(0)))  # all cores: the best a single update can do
+
+    # all cores: the best a single update can do
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     device = torch.device("cuda" if a.cuda and torch.cuda.is_available() else "cpu")
-    targs = mod.Args(local_num_envs=8, num_steps=NUM_STEPS, total_timesteps=8 * NUM_STEPS)
+    targs = mod.Args(
+        local_num_envs=8,
+        num_steps=NUM_STEPS,
+        total_timesteps=8 * NUM_STEPS,
+        amp="bf16" if bf16 else "none",
+    )
     mod.resolve_sizes(targs, 1)
     n_actions, n = gym.make(a.env_id).action_space.n, targs.local_batch_size
     agent = mod.Agent(n_actions).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, foreach=True)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
-    flat = mod.flat_grad_buffer(params, mod.NUM_STATS)
+    flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
     obs = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.randint(0, n_actions, (n,), device=device)
     with torch.inference_mode():  # log-probs and values of the same policy: ratios start near 1
@@ -105,18 +142,22 @@ def worker_update(mod, a, bf16):
     values = values.flatten().clone()
     advantages = torch.randn(n, device=device)
     batch = (obs, actions, logprobs.clone(), advantages, values + advantages, values)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    autocast, scaler = mod.precision(targs, device)  # as the trainer: bf16 autocast or none
     times = []
     for _ in range(1 + 3):  # one warm-up update, then three timed ones
         t = time.perf_counter()
         for _ in range(targs.update_epochs):
             inds = np.random.permutation(n)
             for start in range(0, n, targs.local_minibatch_size):
-                with autocast:
-                    mod.minibatch_gradient(agent, targs, flat, n_params, batch,
-                                           inds[start:start + targs.local_minibatch_size], 1)
+                mb_inds = inds[start : start + targs.local_minibatch_size]
+                mod.minibatch_gradient(
+                    agent, targs, flat, n_params, batch, mb_inds, 1, autocast, scaler
+                )
+                # the trainer's step sequence (the scaler acts under fp16 only)
+                scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(params, targs.max_grad_norm)
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
@@ -126,6 +167,7 @@ def worker_update(mod, a, bf16):
 def allreduce_rank(rank, port, shapes, extra, out_path):
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     flat = torch.ones(sum(int(np.prod(s)) for s in shapes) + extra)  # what the trainer sends
@@ -142,8 +184,10 @@ def allreduce_rank(rank, port, shapes, extra, out_path):
             dist.all_reduce(x)
         per_ms.append(1e3 * (time.perf_counter() - t))
     if rank == 0:
-        result = {"flat all_reduce ms": float(np.median(flat_ms[5:])),
-                  f"per-tensor all_reduce ms ({len(shapes)} tensors)": float(np.median(per_ms[5:]))}
+        result = {
+            "flat all_reduce ms": float(np.median(flat_ms[5:])),
+            f"per-tensor all_reduce ms ({len(shapes)} tensors)": float(np.median(per_ms[5:])),
+        }
         Path(out_path).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -151,27 +195,34 @@ def allreduce_rank(rank, port, shapes, extra, out_path):
 def worker_allreduce(mod, a):
     import gymnasium as gym
     import torch.multiprocessing as mp
+
     shapes = [tuple(p.shape) for p in mod.Agent(gym.make(a.env_id).action_space.n).parameters()]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")
-        mp.spawn(allreduce_rank, args=(port, shapes, mod.NUM_STATS, out), nprocs=2)
+        mp.spawn(allreduce_rank, args=(port, shapes, len(mod.LOSS_STATS), out), nprocs=2)
         return json.loads(Path(out).read_text())
 
 
 def run_worker(a):
     mod = load_trainer()
     mod.keep_freed_memory()  # as the trainer does
-    fns = {"env": worker_env, "native": worker_native, "allreduce": worker_allreduce,
-           "update": lambda m, a: worker_update(m, a, False), "update-bf16": lambda m, a: worker_update(m, a, True)}
+    fns = {
+        "env": worker_env,
+        "native": worker_native,
+        "allreduce": worker_allreduce,
+        "update": lambda m, a: worker_update(m, a, False),
+        "update-bf16": lambda m, a: worker_update(m, a, True),
+    }
     print("RESULT " + json.dumps(fns[a.worker](mod, a)), flush=True)
 
 
 # ---------------- harness ----------------
 def process_tree(root):
-    """root and all its descendants. Not os.killpg: torchrun starts every rank in a session of its own."""
+    """root and all its descendants. Not os.killpg: torchrun starts every rank in a session of
+    its own."""
     children = {}
     for entry in os.listdir("/proc"):
         try:
@@ -186,9 +237,17 @@ def process_tree(root):
 
 
 def run_bounded(cmd, cwd, timeout):
-    """(returncode, stdout, stderr); a run past `timeout` is killed with all its descendants (torchrun's ranks)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """(returncode, stdout, stderr); a run past `timeout` is killed with all its descendants
+    (torchrun's ranks)."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -205,22 +264,25 @@ def run_bounded(cmd, cwd, timeout):
 def error_line(stderr):
     """The trainer's own `error [rank r]: ...` line says what failed, else the last exception line;
     torchrun's ChildFailedError summary after it is boilerplate ("error_file: <N/A>")."""
-    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
-    trainer = [l for l in lines if re.match(r"error( \[rank \d+\])?: ", l)]
-    raised = [l for l in lines if re.match(r"[\w.]+(Error|Exception|Expired)\b.*: \S", l) and "ChildFailed" not in l]
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    trainer = [line for line in lines if re.match(r"error( \[rank \d+\])?: ", line)]
+    exception = re.compile(r"[\w.]+(Error|Exception|Expired)\b.*: \S")
+    raised = [line for line in lines if exception.match(line) and "ChildFailed" not in line]
     return (trainer or raised or lines or ["(no stderr)"])[-1][:200]
 
 
 def read_run(logdir, batch):
-    """Per-iteration seconds from the wall times of consecutive charts/SPS events (the logged SPS value
-    is a running average since start), and the per-rank perf/* timings, all without warm-up."""
+    """Per-iteration seconds from the wall times of consecutive charts/SPS events (the logged SPS
+    value is a running average since start), and the per-rank perf/* timings, all without
+    warm-up."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     tags = acc.Tags()["scalars"]
     if "charts/SPS" not in tags:
         raise ValueError("no charts/SPS events")
-    iter_s = np.diff([e.wall_time for e in acc.Scalars("charts/SPS")])[WARMUP_ITERS - 1:]
+    iter_s = np.diff([e.wall_time for e in acc.Scalars("charts/SPS")])[WARMUP_ITERS - 1 :]
     if len(iter_s) == 0:
         raise ValueError(f"too few iterations to skip {WARMUP_ITERS} warm-up ones")
     perf = {}  # (key, rank) -> per-iteration seconds
@@ -230,10 +292,18 @@ def read_run(logdir, batch):
             perf[m[1], int(m[2])] = np.array([e.value for e in acc.Scalars(tag)])[WARMUP_ITERS:]
     ranks = sorted({r for _, r in perf})
     parts = {}
-    if 0 in ranks and all((k, r) in perf for k in ("rollout", "env", "update", "allreduce") for r in ranks):
-        per_rank = {r: {"env": perf["env", r], "inference": perf["rollout", r] - perf["env", r],
-                        "update": perf["update", r] - perf["allreduce", r], "allreduce": perf["allreduce", r]}
-                    for r in ranks}
+    if 0 in ranks and all(
+        (k, r) in perf for k in ("rollout", "env", "update", "allreduce") for r in ranks
+    ):
+        per_rank = {
+            r: {
+                "env": perf["env", r],
+                "inference": perf["rollout", r] - perf["env", r],
+                "update": perf["update", r] - perf["allreduce", r],
+                "allreduce": perf["allreduce", r],
+            }
+            for r in ranks
+        }
         for k in ("env", "inference", "update", "allreduce"):
             parts[k] = (per_rank[0][k], np.max([per_rank[r][k] for r in ranks], axis=0))
     return {"sps": batch * len(iter_s) / iter_s.sum(), "parts": parts}
@@ -260,57 +330,110 @@ def trainer_row(name, ranks, envs, results, skipped):
             continue
         r0, mx = (np.median(np.concatenate([r["parts"][k][i] for r in ok])) for i in (0, 1))
         cells.append(f"{r0:.3f}" if ranks == 1 else f"{r0:.3f} / {mx:.3f}")
-    return (head + f" {np.median(sps):.0f}{note} | {fmt_range(sps)} | {np.median(sps) / REF_SPS:.2f} | "
-            + " | ".join(cells) + " |")
+    return (
+        head
+        + f" {np.median(sps):.0f}{note} | {fmt_range(sps)} | {np.median(sps) / REF_SPS:.2f} | "
+        + " | ".join(cells)
+        + " |"
+    )
 
 
 def run_trainer(job, rep, a, tmp):
     name, ranks, envs, flags = job
     run_name = f"bench-{name.replace(' ', '-').replace('+', '-')}-{rep}"
-    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-                                 if ranks > 1 else [])
+    launch = [sys.executable] + (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        if ranks > 1
+        else []
+    )
     batch = ranks * envs * NUM_STEPS
-    cmd = launch + [str(TRAINER), "--env-id", a.env_id, "--local-num-envs", str(envs), *flags,
-                    "--total-timesteps", str(a.iterations * batch), "--eval-episodes", "0", "--save-interval", "0",
-                    "--run-name", run_name] + ([] if a.cuda else ["--no-cuda"])
+    cmd = (
+        launch
+        + [
+            str(TRAINER),
+            "--env-id",
+            a.env_id,
+            "--local-num-envs",
+            str(envs),
+            *flags,
+            "--total-timesteps",
+            str(a.iterations * batch),
+            "--eval-episodes",
+            "0",
+            "--save-interval",
+            "0",
+            "--run-name",
+            run_name,
+        ]
+        + ([] if a.cuda else ["--no-cuda"])
+    )
     rc, _, err = run_bounded(cmd, tmp, a.timeout)
     try:
-        return read_run(Path(tmp, "runs", run_name), batch) if rc == 0 else {"error": error_line(err)}
+        return (
+            read_run(Path(tmp, "runs", run_name), batch) if rc == 0 else {"error": error_line(err)}
+        )
     except Exception as e:  # a run that exits 0 but logged nothing usable
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
-        shutil.rmtree(Path(tmp, "runs", run_name), ignore_errors=True)  # its checkpoint alone is ~20 MB
+        # its checkpoint alone is ~20 MB
+        shutil.rmtree(Path(tmp, "runs", run_name), ignore_errors=True)
 
 
 def run_ceiling(kind, a, tmp):
-    """A ceiling runs in a fresh process, like a trainer run: same start-up state, and a crash stays there."""
+    """A ceiling runs in a fresh process, like a trainer run: same start-up state, and a crash
+    stays there."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--env-id", a.env_id]
     rc, out, err = run_bounded(cmd + (["--cuda"] if a.cuda else []), tmp, a.timeout)
-    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) if rc == 0 and lines else {"error": error_line(err)}
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if rc != 0 or not lines:
+        return {"error": error_line(err)}
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def report(a, configs, ceilings, results, skipped, started, load_before):
     import torch
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown")
-    md = [f"# Throughput of ppo_atari_multigpu.py on {a.host}", "",
-          f"- date: {started:%Y-%m-%d %H:%M %Z}, took {(time.time() - started.timestamp()) / 60:.1f} min",
-          f"- host: {a.host}; CPU: {cpu}; cores: {os.cpu_count()} ({len(os.sched_getaffinity(0))} usable); "
-          f"load average before / after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}",
-          f"- torch {torch.__version__}; env {a.env_id}; {a.iterations} iterations per run, {a.repeats} repeat(s), "
-          f"first {WARMUP_ITERS} iterations skipped; device: {'cuda' if a.cuda else 'cpu'}",
-          "- command: `" + " ".join(shlex.quote(x) for x in [Path(sys.executable).name] + sys.argv) + "`", ""]
+
+    with open("/proc/cpuinfo") as f:
+        models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    cpu = models[0] if models else "unknown"
+    minutes = (time.time() - started.timestamp()) / 60
+    usable = len(os.sched_getaffinity(0))
+    device = "cuda" if a.cuda else "cpu"
+    md = [
+        f"# Throughput of ppo_atari_multigpu.py on {a.host}",
+        "",
+        f"- date: {started:%Y-%m-%d %H:%M %Z}, took {minutes:.1f} min",
+        f"- host: {a.host}; CPU: {cpu}; cores: {os.cpu_count()} ({usable} usable); "
+        f"load average before / after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}",
+        f"- torch {torch.__version__}; env {a.env_id}; {a.iterations} iterations per run, "
+        f"{a.repeats} repeat(s), first {WARMUP_ITERS} iterations skipped; device: {device}",
+        "- command: `"
+        + " ".join(shlex.quote(x) for x in [Path(sys.executable).name] + sys.argv)
+        + "`",
+        "",
+    ]
     if configs:
-        md += ["| configuration | ranks×envs | SPS median | SPS min–max | ×ref¹ | env s² | inference s² | "
-               "update compute s² | all-reduce s² |", "|---|---|---|---|---|---|---|---|---|"]
-        md += [trainer_row(name, ranks, envs, results[name], skipped.get(name)) for name, ranks, envs, _ in configs]
-        md += ["", f"¹ SPS median / {REF_SPS}: the reference trainer ran 306–312 SPS as 2x4 (2 ranks × 4 envs) "
-                   "on this machine class.",
-               "SPS of a run = its steps / its seconds after warm-up (from the wall times of consecutive charts/SPS "
-               "events); median and min–max over repeats.",
-               "² Median seconds per iteration, pooled over repeats; with several ranks: rank 0 / max over ranks "
-               "(per iteration). inference = rollout − env (policy forward, copies, storage); update compute = "
-               "GAE + update − all-reduce, and includes waiting for a slower rank in the advantage all-reduce.", ""]
+        md += [
+            "| configuration | ranks×envs | SPS median | SPS min–max | ×ref¹ | env s² | "
+            "inference s² | update compute s² | all-reduce s² |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        md += [
+            trainer_row(name, ranks, envs, results[name], skipped.get(name))
+            for name, ranks, envs, _ in configs
+        ]
+        md += [
+            "",
+            f"¹ SPS median / {REF_SPS}: the reference trainer ran 306–312 SPS as 2x4 "
+            "(2 ranks × 4 envs) on this machine class.",
+            "SPS of a run = its steps / its seconds after warm-up (from the wall times of "
+            "consecutive charts/SPS events); median and min–max over repeats.",
+            "² Median seconds per iteration, pooled over repeats; with several ranks: rank 0 / max "
+            "over ranks (per iteration). inference = rollout − env (policy forward, copies, "
+            "storage); update compute = GAE + update − all-reduce, and includes waiting for a "
+            "slower rank in the advantage all-reduce.",
+            "",
+        ]
     if ceilings:
         md += ["| ceiling | measure | median | min–max |", "|---|---|---|---|"]
         for name, _ in ceilings:
@@ -322,61 +445,92 @@ def report(a, configs, ceilings, results, skipped, started, load_before):
             else:
                 ok = [r for r in runs if "error" not in r]
                 note = f" ({len(runs) - len(ok)}/{len(runs)} FAILED)" if len(ok) < len(runs) else ""
-                md += [f"| {name} | {k}{note} | {np.median([r[k] for r in ok]):.1f} | "
-                       f"{fmt_range([r[k] for r in ok], 1)} |" for k in ok[0]]
-        md += ["", "env: random actions, 8 envs × 128 steps after 10 warm-up steps. update: the trainer's "
-                   "minibatch_gradient + clip + Adam, 4 epochs × 4 minibatches of 256 random samples, all "
-                   "cores; samples/s = 1024 / seconds of the full update (median of 3). all-reduce: 2 gloo "
-                   "ranks on 127.0.0.1, the Agent's gradient as one flat buffer vs one call per parameter "
-                   "tensor; median of 50 after 5 warm-ups.", ""]
+                md += [
+                    f"| {name} | {k}{note} | {np.median([r[k] for r in ok]):.1f} | "
+                    f"{fmt_range([r[k] for r in ok], 1)} |"
+                    for k in ok[0]
+                ]
+        md += [
+            "",
+            "env: random actions, 8 envs × 128 steps after 10 warm-up steps. update: the "
+            "trainer's minibatch_gradient + clip + Adam, 4 epochs × 4 minibatches of 256 random "
+            "samples, all cores; samples/s = 1024 / seconds of the full update (median of 3). "
+            "all-reduce: 2 gloo ranks on 127.0.0.1, the Agent's gradient as one flat buffer vs one "
+            "call per parameter tensor; median of 50 after 5 warm-ups.",
+            "",
+        ]
     return "\n".join(md)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iterations", type=int, default=30, help="trainer iterations per run (128 steps per env)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--iterations", type=int, default=30, help="trainer iterations per run (128 steps per env)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--env-id", default="BreakoutNoFrameskip-v4")
-    p.add_argument("--only", nargs="+", metavar="SUBSTR", help="run only names containing one of these")
+    p.add_argument(
+        "--only", nargs="+", metavar="SUBSTR", help="run only names containing one of these"
+    )
     p.add_argument("--host", default=socket.gethostname(), help="names the results file")
     p.add_argument("--cuda", action="store_true", help="let the trainer use CUDA (drops --no-cuda)")
-    p.add_argument("--gpu-set", action="store_true",
-                   help="run the GPU configurations instead of the CPU ones (implies --cuda)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds one run may take before it is killed")
+    p.add_argument(
+        "--gpu-set",
+        action="store_true",
+        help="run the GPU configurations instead of the CPU ones (implies --cuda)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=900, help="seconds one run may take before it is killed"
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one ceiling in this process
     a = p.parse_args()
     a.cuda = a.cuda or a.gpu_set
     if a.worker:
         return run_worker(a)
 
-    wanted = lambda name: not a.only or any(s in name for s in a.only)
+    def wanted(name):
+        return not a.only or any(s in name for s in a.only)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
     configs = [c for c in (GPU_CONFIGS if a.gpu_set else CPU_CONFIGS) if wanted(c[0])]
     ceilings = [c for c in CEILINGS if wanted(c[0])]
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    # opt-in flags may not exist in this version of the trainer: skip those configurations, don't fail them
+    # opt-in flags may not exist in this version of the trainer: skip those configurations, don't
+    # fail them
     skipped = {}
     if configs:
         rc, help_text, err = run_bounded([sys.executable, str(TRAINER), "--help"], REPO, 120)
         if rc != 0:
             sys.exit(f"`{TRAINER.name} --help` failed: {error_line(err)}")
         for name, _, _, flags in configs:
-            absent = [f for f in flags if f.startswith("--") and not re.search(rf"(?<![\w-]){f}(?![\w-])", help_text)]
+            options = [f for f in flags if f.startswith("--")]
+            absent = [f for f in options if not re.search(rf"(?<![\w-]){f}(?![\w-])", help_text)]
             if absent:
                 skipped[name] = f"no {' '.join(absent)} in the trainer's --help"
     started = datetime.datetime.now().astimezone()
     load_before = os.getloadavg()
     results = {name: [] for name, *_ in configs + ceilings}
-    tmp = tempfile.mkdtemp(prefix="ppo-throughput-")  # the trainer's runs/ land here, not in the repo
+    # the trainer's runs/ land here, not in the repo
+    tmp = tempfile.mkdtemp(prefix="ppo-throughput-")
     jobs = [c for c in configs if c[0] not in skipped] + ceilings
     try:
-        for rep in range(a.repeats):  # A B C A B C ...: drift of a shared machine hits every job alike
+        # A B C A B C ...: drift of a shared machine hits every job alike
+        for rep in range(a.repeats):
             for i, job in enumerate(jobs):
                 log(f"[repeat {rep + 1}/{a.repeats}, {i + 1}/{len(jobs)}] {job[0]} ...")
                 t = time.time()
-                res = run_trainer(job, rep, a, tmp) if len(job) == 4 else run_ceiling(job[1], a, tmp)
+                res = (
+                    run_trainer(job, rep, a, tmp) if len(job) == 4 else run_ceiling(job[1], a, tmp)
+                )
                 results[job[0]].append(res)
-                summary = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in res.items()
-                                    if k != "parts")
+                summary = ", ".join(
+                    f"{k} {v:.1f}" if isinstance(v, float) else f"{k}: {v}"
+                    for k, v in res.items()
+                    if k != "parts"
+                )
                 log(f"    {time.time() - t:.1f} s: {summary}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
