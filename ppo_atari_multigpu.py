@@ -14,9 +14,12 @@ import ctypes
 import datetime
 import difflib
 import glob
+import hashlib
+import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
@@ -107,7 +110,7 @@ class Args:
     """split each local minibatch into this many micro-batches (less memory, same gradient)"""
 
     # Distributed (README "Launching")
-    backend: Literal["auto", "gloo", "nccl", "mpi"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     """collective backend; auto = nccl when every rank has its own GPU, else gloo"""
     device_ids: Optional[list[int]] = None
     """GPU of each rank, e.g. `--device-ids 0 0 1 1` (one id per rank; default: local rank)"""
@@ -196,7 +199,7 @@ class FireReset(gym.Wrapper):
         return obs, info
 
 
-def make_env(env_id, idx, capture_video, run_name, episodic_life=True):
+def make_env(env_id, idx, capture_video, run_name):
     def thunk():
         # v5 ids skip 4 frames inside the emulator; frames must be skipped once, here below
         kwargs = {"frameskip": 1} if gym.spec(env_id).kwargs.get("frameskip", 1) != 1 else {}
@@ -209,8 +212,7 @@ def make_env(env_id, idx, capture_video, run_name, episodic_life=True):
         env = gym.wrappers.AtariPreprocessing(
             env, noop_max=30, frame_skip=4, screen_size=84, terminal_on_life_loss=False
         )
-        if episodic_life:  # off for evaluation: a game then ends only at game over
-            env = EpisodicLife(env)
+        env = EpisodicLife(env)
         if env.unwrapped.get_action_meanings()[1] == "FIRE":
             env = FireReset(env)
         env = gym.wrappers.TransformReward(env, lambda r: float(np.sign(r)))
@@ -487,23 +489,57 @@ def check_args(args: Args, world_size: int):
         raise ValueError("--capture-video records through gymnasium: use --env-backend sync")
     if args.eval_checkpoint and args.eval_episodes < 1:
         raise ValueError(f"--eval-checkpoint needs --eval-episodes >= 1, got {args.eval_episodes}")
+    for name, low in (
+        ("keep_checkpoints", 1),
+        ("save_interval", 0),
+        ("save_minutes", 0),
+        ("eval_episodes", 0),
+        ("threads", 1),
+    ):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if args.pg_timeout <= 0:
+        raise ValueError(f"--pg-timeout must be > 0 seconds, got {args.pg_timeout:g}")
+
+
+def check_launch(env):
+    """Refuse launches that would silently run N independent copies or half a process group."""
+    if "RANK" in env:
+        return
+    if int(env.get("WORLD_SIZE", 1)) > 1:
+        raise ValueError(
+            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: launch with torchrun "
+            "(or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process)"
+        )
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if int(env.get(var, 1)) > 1:
+            raise ValueError(
+                f"started by an MPI launcher ({var}={env[var]}) without torchrun's RANK: every "
+                "process would train alone. Launch with torchrun (one per node), e.g. under "
+                '`srun torchrun --nnodes=$SLURM_NNODES ...` (README "Launching")'
+            )
 
 
 # ---- LAUNCH: device and backend, process group, errors on every rank --------------------------
-def choose_device(args: Args, rank, world_size, local_world_size, num_gpus):
-    """This rank's device and the collective backend. It reads only flags and the launch layout,
-    so every rank reaches the same verdict; a combination that cannot work is a ValueError."""
+def choose_device(args: Args, rank, local_rank, world_size, local_world_size, num_gpus):
+    """This rank's device and the collective backend. It reads only flags and the launch layout
+    (alike on every node), so every rank reaches the same verdict; a combination that cannot
+    work is a ValueError. The GPU is LOCAL_RANK's, or --device-ids[RANK]."""
     if args.device_ids is not None and len(args.device_ids) != world_size:
         raise ValueError(f"--device-ids has {len(args.device_ids)} ids for world size {world_size}")
     use_cuda = args.cuda and num_gpus > 0
-    gpus, shared_gpu = None, False
-    if use_cuda:
-        gpus = args.device_ids or [r % local_world_size % num_gpus for r in range(world_size)]
+    gpu, shared_gpu = None, False
+    if use_cuda and args.device_ids is not None:
+        gpus = args.device_ids
         if max(gpus) >= num_gpus:
             raise ValueError(f"--device-ids {gpus} names a GPU this node lacks ({num_gpus} GPUs)")
+        gpu = gpus[rank]
         # ranks r // local_world_size share a node; nccl refuses two ranks on one GPU of a node
         nodes = [gpus[i : i + local_world_size] for i in range(0, world_size, local_world_size)]
         shared_gpu = any(len(set(node)) < len(node) for node in nodes)
+    elif use_cuda:
+        gpu, shared_gpu = local_rank % num_gpus, local_world_size > num_gpus
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if use_cuda and not shared_gpu else "gloo"
@@ -514,11 +550,10 @@ def choose_device(args: Args, rank, world_size, local_world_size, num_gpus):
         )
     if backend == "nccl" and shared_gpu:
         raise ValueError(
-            f"nccl refuses two ranks on one GPU (ranks -> GPUs: {gpus}); use --backend gloo"
+            f"nccl refuses two ranks on one GPU ({local_world_size} ranks per node, {num_gpus} "
+            f"GPUs, --device-ids {args.device_ids}); use --backend gloo"
         )
-    if backend == "mpi" and not dist.is_mpi_available():
-        raise ValueError("--backend mpi: this torch build has no MPI support")
-    device = torch.device("cuda", gpus[rank]) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", gpu) if use_cuda else torch.device("cpu")
     return device, backend
 
 
@@ -530,15 +565,13 @@ def cpu_threads(local_world_size):
 
 def init_distributed(backend, rank, world_size, pg_timeout):
     timeout = datetime.timedelta(seconds=pg_timeout)
-    store = None
-    if backend != "mpi":
-        # torchrun keeps one key-value store across --max-restarts: a per-attempt prefix stops
-        # restarted ranks from reading the addresses of the ranks they replace
-        is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        tcp_store = dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"attempt_{attempt}", tcp_store)
+    # torchrun keeps one key-value store across --max-restarts: a per-attempt prefix stops
+    # restarted ranks from reading the addresses of the ranks they replace
+    is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    tcp_store = dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt_{attempt}", tcp_store)
     # the global RANK (not LOCAL_RANK) names this process in the group: right on many nodes
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
@@ -552,11 +585,42 @@ def broadcast_object(obj, distributed):
     return box[0]
 
 
+def check_same_flags(args: Args, world_size):
+    """Refuse ranks launched with different flags (they would run different collectives and
+    hang): every rank gathers every rank's resolved flags and reaches the same verdict."""
+    mine = {k: v for k, v in vars(args).items() if k != "threads"}  # threads may differ per node
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    differ = []
+    for key, value in everyone[0].items():
+        values = [flags.get(key) for flags in everyone]
+        if any(v != value for v in values):
+            ranks = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            differ.append(f"--{key.replace('_', '-')} ({ranks})")
+    if differ:
+        raise ValueError(f"ranks were launched with different flags: {'; '.join(differ)}")
+
+
+def leave(code, distributed):
+    """Exit, flushing logs first. Distributed ranks leave with os._exit: gloo's C++ threads can
+    abort interpreter finalization (SIGABRT) even after destroy_process_group."""
+    if not distributed:
+        sys.exit(code)
+    atexit._run_exitfuncs()  # e.g. the TensorBoard writer's close
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def fail(msg, rank, world_size):
     """One line naming the rank, then exit 2: for errors every rank detects alike."""
     where = f" [rank {rank}]" if world_size > 1 else ""
     print(f"error{where}: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    if world_size > 1 and not dist.is_initialized():
+        # the peers check the same input: give them time to print their own line before
+        # torchrun stops them (they only note its SIGTERM, see Preemption)
+        time.sleep(2)
+    leave(2, world_size > 1)
 
 
 def crash_hook(rank, pg_timeout):
@@ -579,16 +643,35 @@ def crash_hook(rank, pg_timeout):
 
 
 # ---- CHECKPOINTS: run name, atomic saves, pruning, resume, run time across restarts -----------
+# The flags that define the learning problem: a resume must keep them. World size, env backend,
+# --async-envs, threads, precision (--amp, --channels-last, --compile), --grad-accum, saving and
+# logging may change (README "Long runs and failures").
+ALGORITHM_FLAGS = tuple(
+    """env_id seed total_timesteps learning_rate anneal_lr num_envs num_steps num_minibatches
+    update_epochs gamma gae_lambda norm_adv clip_coef clip_vloss ent_coef vf_coef max_grad_norm
+    target_kl""".split()
+)
+
+
 def choose_run_name(args: Args):
-    """--run-name; with `--resume auto` the latest run of this env/exp/seed that has a checkpoint
-    (so a restarted job finds its own); else a new timestamped name."""
+    """--run-name if given. With `--resume auto`, a name made from the exp name and the
+    ALGORITHM_FLAGS: the same command restarted finds its own run, another configuration never
+    does. Otherwise a new timestamped directory, made here so that no other launch can take it."""
     if args.run_name is not None:
         return args.run_name
     prefix = f"{args.env_id}__{args.exp_name}__{args.seed}__"
-    earlier = sorted(glob.glob(f"runs/{prefix}*/checkpoints/ckpt_*.pt"), key=os.path.getmtime)
-    if args.resume == "auto" and earlier:
-        return os.path.relpath(earlier[-1], "runs").split(os.sep + "checkpoints")[0]
-    return f"{prefix}{int(time.time())}"
+    if args.resume == "auto":
+        config = {k: getattr(args, k) for k in ("exp_name",) + ALGORITHM_FLAGS}
+        digest = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()
+        return f"{prefix}cfg{digest[:10]}"
+    stamp, n = f"{prefix}{int(time.time())}", 1
+    while True:
+        name = stamp if n == 1 else f"{stamp}-{n}"
+        try:
+            os.makedirs(f"runs/{name}")
+            return name
+        except FileExistsError:  # another launch in the same second
+            n += 1
 
 
 def rng_state(cuda=False):
@@ -612,11 +695,20 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def checkpoint_files(ckpt_dir):
+    """Checkpoints ordered by the global step in their name: iterations are not comparable
+    across resumes with another global batch, steps are."""
+    found = glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt"))
+    return sorted(found, key=lambda path: int(os.path.basename(path)[5:-3]))
+
+
 def save_checkpoint(ckpt, ckpt_dir, keep):
     """Write to a temp file, fsync, then rename: a crash mid-write leaves only a *.tmp file, which
-    neither `--resume auto` nor the pruning below ever picks up."""
+    neither `--resume auto` nor the pruning below ever picks up (the next save removes it)."""
     os.makedirs(ckpt_dir, exist_ok=True)
-    path = os.path.join(ckpt_dir, f"ckpt_{ckpt['iteration']:08d}.pt")
+    for stale in glob.glob(os.path.join(ckpt_dir, "*.tmp")):  # rank 0 is the only writer
+        os.remove(stale)
+    path = os.path.join(ckpt_dir, f"ckpt_{ckpt['global_step']:012d}.pt")
     with open(path + ".tmp", "wb") as f:
         torch.save(ckpt, f)
         f.flush()
@@ -625,13 +717,13 @@ def save_checkpoint(ckpt, ckpt_dir, keep):
     dir_fd = os.open(ckpt_dir, os.O_RDONLY)  # make the rename itself durable
     os.fsync(dir_fd)
     os.close(dir_fd)
-    for old in sorted(glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt")))[:-keep]:
+    for old in checkpoint_files(ckpt_dir)[:-keep]:
         os.remove(old)
     return path
 
 
 def latest_checkpoint(ckpt_dir):
-    found = sorted(glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt")))
+    found = checkpoint_files(ckpt_dir)
     return found[-1] if found else None
 
 
@@ -667,12 +759,36 @@ def load_checkpoint(path, num_actions):
     return ckpt
 
 
+def resume_problem(ckpt, path, args: Args):
+    """Why this checkpoint cannot continue this run (None if it can)."""
+    if "optimizer" not in ckpt:
+        return (
+            f"{path} holds only model weights (no optimizer state or step count), so a run "
+            "cannot continue from it: resume from runs/<run>/checkpoints/ckpt_*.pt, or play "
+            "it with --eval-checkpoint"
+        )
+    saved = ckpt.get("args", {})
+    changed = []
+    for k in ALGORITHM_FLAGS:
+        if saved.get(k, "(not saved)") != getattr(args, k):
+            changed.append(
+                f"--{k.replace('_', '-')} {saved.get(k, '(not saved)')} -> {getattr(args, k)}"
+            )
+    if changed:
+        return (
+            f"{path} was trained with other algorithm flags ({', '.join(changed)}): resume with "
+            "the saved values (--num-envs keeps the global batch at another world size), or "
+            "start a new run"
+        )
+    return None
+
+
 class Checkpointer:
     """Owns runs/<run_name>/checkpoints: when to save, what a checkpoint holds, resume, and the
     run's training time summed over restarts (for honest SPS after a resume)."""
 
     def __init__(self, args: Args, run_name, rank, world_size, device):
-        self.args, self.dir = args, f"runs/{run_name}/checkpoints"
+        self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
         self.rank, self.world_size, self.cuda = rank, world_size, device.type == "cuda"
         self.elapsed_before = 0.0
         self.start = self.last_save = time.time()
@@ -683,7 +799,8 @@ class Checkpointer:
     def resume(self, agent, optimizer, scaler):
         """Load --resume into the (already built) agent, optimizer and scaler on every rank;
         return the global step to continue from (0: a fresh start). Rank 0 reads the file and
-        broadcasts it, so nodes need no shared disk; a bad file stops every rank."""
+        broadcasts it, so nodes need no shared disk; a bad file stops every rank; a finished
+        run ends here with exit code 0."""
         self.start = self.last_save = time.time()  # training time starts here, not at env setup
         if not self.args.resume:
             return 0
@@ -692,6 +809,7 @@ class Checkpointer:
             path = latest_checkpoint(self.dir) if self.args.resume == "auto" else self.args.resume
             try:
                 ckpt = load_checkpoint(path, agent.actor.out_features) if path else None
+                error = resume_problem(ckpt, path, self.args) if ckpt else None
             except ValueError as e:
                 error = str(e)
         ckpt, error, path = broadcast_object((ckpt, error, path), self.world_size > 1)
@@ -699,6 +817,14 @@ class Checkpointer:
             fail(error, self.rank, self.world_size)
         if ckpt is None:
             return 0
+        total = self.args.num_iterations * self.args.batch_size
+        if ckpt["global_step"] >= total:
+            if self.rank == 0:
+                print(
+                    f"run {self.run_name} is complete ({path}, step {ckpt['global_step']}): "
+                    "nothing to do"
+                )
+            leave(0, self.world_size > 1)
         agent.load_state_dict(ckpt["model"])  # in place: the gradient views stay valid
         optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt.get("scaler"):
@@ -723,11 +849,13 @@ class Checkpointer:
         """This rank's RNG states, gathered from every rank each iteration for the next save."""
         return rng_state(self.cuda)
 
-    def maybe_save(self, iteration, global_step, agent, optimizer, scaler, rngs):
-        """Rank 0: save every --save-interval iterations, every --save-minutes, and at the end."""
+    def maybe_save(self, iteration, global_step, agent, optimizer, scaler, rngs, now=False):
+        """Rank 0: save every --save-interval iterations, every --save-minutes, at the end, and
+        `now` (preemption)."""
         a = self.args
         due = (
-            iteration == a.num_iterations
+            now
+            or iteration == a.num_iterations
             or (a.save_interval and iteration % a.save_interval == 0)
             or (a.save_minutes and time.time() - self.last_save > 60 * a.save_minutes)
         )
@@ -748,14 +876,44 @@ class Checkpointer:
         self.last_save = time.time()
 
 
+# ---- PREEMPTION: on SIGTERM / SIGUSR1 finish the iteration, checkpoint, exit PREEMPTED ----------
+PREEMPTED = 75  # EX_TEMPFAIL ("try again later"): requeue and rerun with --resume auto
+
+
+class Preemption:
+    """Notes a scheduler's warning signal; the loop polls `signalled` once per iteration, and the
+    ranks agree through the per-iteration report gather (signals reach them at other times)."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+        self.signalled = None
+        for sig in signals:
+            signal.signal(sig, self.note)
+
+    def note(self, signum, frame):
+        self.signalled = signal.Signals(signum).name
+
+    def leave(self, stopped, global_step, master_process, distributed):
+        """After rank 0's save: every rank exits PREEMPTED."""
+        if master_process:
+            print(
+                f"preempted ({', '.join(stopped)}): saved step {global_step}; exit {PREEMPTED}, "
+                "rerun the same command with --resume auto",
+                flush=True,
+            )
+        if distributed:
+            dist.barrier()  # a rank that left early would make torchrun stop rank 0's save
+        leave(PREEMPTED, distributed)
+
+
 # ---- EVALUATION: full games with the final (or a saved) model ---------------------------------
 def evaluate(agent, env_id, episodes, device, capture_video, run_name, seed, max_envs=16):
-    """Real game returns of `episodes` full games (episodic life off), one game per env at a time;
-    each env contributes the same number of games, so short games are not over-represented."""
+    """Real game returns of `episodes` full games, played through the training pipeline (after a
+    lost life FIRE is pressed as in training; a game counts at game over, with all its lives).
+    Each env contributes the same number of games, so short games are not over-represented."""
     n_envs = min(episodes, max_envs)
     quota = math.ceil(episodes / n_envs)
     envs = gym.vector.SyncVectorEnv(
-        [make_env(env_id, i, capture_video, f"{run_name}-eval", False) for i in range(n_envs)],
+        [make_env(env_id, i, capture_video, f"{run_name}-eval") for i in range(n_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
     games = [[] for _ in range(n_envs)]
@@ -923,13 +1081,15 @@ class RankEnvs:
             threads = torch.get_num_threads()
             self.envs = [NativeVectorEnv(args.env_id, len(g), threads) for g in self.groups]
         else:
-            vector_env = gym.vector.AsyncVectorEnv if args.async_envs else gym.vector.SyncVectorEnv
+            # SAME_STEP: no fake transition after an episode end (gymnasium 1.x's default)
+            kw = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
+            vector_env = gym.vector.SyncVectorEnv
+            if args.async_envs:  # subprocesses; forkserver: never fork a process that runs CUDA
+                vector_env, kw["context"] = gym.vector.AsyncVectorEnv, "forkserver"
             self.envs = []
             for g in self.groups:
                 thunks = [make_env(args.env_id, i, capture_video, run_name) for i in g]
-                # SAME_STEP: no fake transition after an episode end (gymnasium 1.x's default)
-                same_step = gym.vector.AutoresetMode.SAME_STEP
-                self.envs.append(vector_env(thunks, autoreset_mode=same_step))
+                self.envs.append(vector_env(thunks, **kw))
         self.single_observation_space = self.envs[0].single_observation_space
         self.single_action_space = self.envs[0].single_action_space
         self.env_time = 0.0  # seconds spent waiting for the emulators
@@ -1013,22 +1173,21 @@ def precision(args: Args, device):
 
 
 # ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
-def check_finite(loss_stats, grads, scaler, iteration, global_step, rank, world_size):
-    """Stop before non-finite numbers reach a checkpoint. The values are all-reduced, so every
-    rank reaches the same verdict. Under fp16 the scaler skips inf gradients by itself."""
+def check_iteration(params, flat_grads, scaler, iteration, global_step, rank, world_size):
+    """Stop before non-finite numbers reach a checkpoint (the values are all-reduced, so every
+    rank reaches the same verdict; under fp16 the scaler skips inf gradients by itself), and
+    before a broken flat buffer silently stops the gradient averaging."""
+    n_params = flat_grads.numel() - len(LOSS_STATS)
+    loss_stats, grads = flat_grads[n_params:], flat_grads[:n_params]
+    where = f"at iteration {iteration}, global step {global_step}"
     if not torch.isfinite(loss_stats).all():
         values = ", ".join(f"{k}={v:g}" for k, v in zip(LOSS_STATS, loss_stats.tolist()))
-        fail(
-            f"non-finite loss at iteration {iteration}, global step {global_step}: {values}",
-            rank,
-            world_size,
-        )
+        fail(f"non-finite loss {where}: {values}", rank, world_size)
     if not scaler.is_enabled() and not torch.isfinite(grads).all():
-        fail(
-            f"non-finite gradient at iteration {iteration}, global step {global_step}",
-            rank,
-            world_size,
-        )
+        fail(f"non-finite gradient {where}", rank, world_size)
+    if not grads_in_buffer(params, flat_grads):
+        msg = "gradients no longer live in the flat buffer (see flat_grad_buffer's invariants)"
+        fail(f"{msg} {where}", rank, world_size)
 
 
 def replicas_identical(params, device, distributed):
@@ -1052,16 +1211,23 @@ if __name__ == "__main__":
     # ---- setup: torchrun's environment; plain `python` runs one process without a group ----
     distributed = "RANK" in os.environ
     rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     master_process = rank == 0
     sys.excepthook = crash_hook(rank, args.pg_timeout)
+    # From here a SIGTERM is only noted: a rank that torchrun stops because a peer failed first
+    # still prints its own error, and a scheduler's warning ends the run after a checkpoint.
+    preemption = Preemption()
     # Validate everything BEFORE any collective: every rank reaches the same verdict and exits,
     # so bad input can never leave a peer waiting in a collective.
     try:
+        check_launch(os.environ)
         check_args(args, world_size)
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        device, backend = choose_device(args, rank, world_size, local_world_size, num_gpus)
+        device, backend = choose_device(
+            args, rank, local_rank, world_size, local_world_size, num_gpus
+        )
     except ValueError as e:
         fail(e, rank, world_size)
     if device.type == "cuda":
@@ -1073,6 +1239,10 @@ if __name__ == "__main__":
         sys.exit(0)
     if distributed:
         init_distributed(backend, rank, world_size, args.pg_timeout)
+        try:
+            check_same_flags(args, world_size)
+        except ValueError as e:
+            fail(e, rank, world_size)
     elif master_process:
         print("single process (launch with `torchrun --nproc_per_node=N` for data parallelism)")
     run_name = args.run_name = broadcast_object(
@@ -1238,16 +1408,7 @@ if __name__ == "__main__":
                 break
         update_time = time.perf_counter() - t_update
 
-        # ---- run-time checks: the same verdict on every rank ----
-        check_finite(
-            loss_stats, flat_grads[:n_params], scaler, iteration, global_step, rank, world_size
-        )
-        if not grads_in_buffer(params, flat_grads):
-            fail(
-                "gradients no longer live in the flat buffer (see flat_grad_buffer's invariants)",
-                rank,
-                world_size,
-            )
+        check_iteration(params, flat_grads, scaler, iteration, global_step, rank, world_size)
 
         # ---- logging: episodes and timings of every rank, losses averaged over ranks ----
         y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
@@ -1264,6 +1425,7 @@ if __name__ == "__main__":
             "ev": explained_var,
             "times": times,
             "rng": checkpointer.rng_state(),
+            "stop": preemption.signalled,  # a scheduler's warning signal on this rank
         }
         reports = [report]
         if distributed:
@@ -1293,8 +1455,16 @@ if __name__ == "__main__":
                 f"return {mean_return} (last {len(recent_returns)} of {num_episodes} episodes)",
                 flush=True,
             )
+
+        # ---- checkpoint; on a preemption signal (any rank) all ranks stop after this save ----
+        stopped = [f"rank {r}: {rep['stop']}" for r, rep in enumerate(reports) if rep["stop"]]
+        if master_process:
             rngs = [r["rng"] for r in reports]
-            checkpointer.maybe_save(iteration, global_step, agent, optimizer, scaler, rngs)
+            checkpointer.maybe_save(
+                iteration, global_step, agent, optimizer, scaler, rngs, now=bool(stopped)
+            )
+        if stopped:
+            preemption.leave(stopped, global_step, master_process, distributed)
 
     # ---- the end: replicas must still agree; save, evaluate, leave ----
     replicas_ok = replicas_identical(params, device, distributed)
@@ -1313,15 +1483,8 @@ if __name__ == "__main__":
         model_path = f"runs/{run_name}/{args.exp_name}.model"
         torch.save(agent.state_dict(), model_path)
         if args.eval_episodes > 0:
-            returns = evaluate(
-                agent,
-                args.env_id,
-                args.eval_episodes,
-                device,
-                args.capture_video,
-                run_name,
-                args.seed,
-            )
+            episodes, video = args.eval_episodes, args.capture_video
+            returns = evaluate(agent, args.env_id, episodes, device, video, run_name, args.seed)
             for idx, episodic_return in enumerate(returns):
                 writer.add_scalar("eval/episodic_return", episodic_return, idx)
             print(
@@ -1332,11 +1495,4 @@ if __name__ == "__main__":
         writer.close()
         if args.track:
             wandb.finish()
-    if distributed:
-        # Leave without interpreter finalization: gloo's C++ threads can abort it (SIGABRT,
-        # "terminate called without an active exception") even after destroy_process_group.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0 if replicas_ok else 1)
-    if not replicas_ok:
-        sys.exit(1)
+    leave(0 if replicas_ok else 1, distributed)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import TINY, scalar_tags
 
+import ppo_atari_multigpu as ppo
 from ppo_atari_multigpu import merge_infos
 
 
@@ -50,3 +51,14 @@ def test_async_envs_collect_the_same_samples_as_plain_rollouts(run_trainer, tmp_
         assert asynchronous[tag] == plain[tag]
     a, b = (torch.load(tmp_path / f"runs/{n}/ppo_atari_multigpu.model") for n in ("plain", "async"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_async_sync_backend_starts_env_workers_with_forkserver_not_fork():
+    # fork would copy a process that may already run CUDA/NCCL threads
+    args = ppo.resolve_sizes(ppo.Args(local_num_envs=2, async_envs=True, total_timesteps=256), 1)
+    envs = ppo.RankEnvs(args, "t", False)
+    try:
+        kinds = {type(p).__name__ for env in envs.envs for p in env.processes}
+        assert kinds == {"ForkServerProcess"}
+    finally:
+        envs.close()

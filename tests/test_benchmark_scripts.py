@@ -1,6 +1,9 @@
-"""The reproduction script's dry run lists every published run and starts none."""
+"""Scripts in benchmark/: the reproduction dry run, and the SLURM launch and requeue."""
 
+import os
+import signal
 import subprocess
+import time
 
 from conftest import ROOT
 
@@ -26,3 +29,57 @@ def test_reproduction_dry_run_prints_all_18_runs_without_starting_any(tmp_path):
                 for run in runs
             )
             assert any(run.startswith("python ") and "--local-num-envs 8" in run for run in runs)
+
+
+def test_slurm_script_builds_one_torchrun_per_node_with_c10d_and_resume_auto(tmp_path):
+    env = dict(
+        os.environ, HEAD_NODE="n01", SLURM_NNODES="4", SLURM_GPUS_ON_NODE="8", SLURM_JOB_ID="77"
+    )
+    out = subprocess.run(
+        ["bash", str(ROOT / "benchmark/slurm.sbatch"), "--dry-run", "--num-envs", "64"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (
+        out.stdout.split()
+        == (
+            "srun --kill-on-bad-exit=0 torchrun --nnodes=4 --nproc_per_node=8 --rdzv-id=77 "
+            "--rdzv-backend=c10d --rdzv-endpoint=n01:29400 --max-restarts=3 ppo_atari_multigpu.py "
+            "--resume auto --num-envs 64"
+        ).split()
+    )
+
+
+def test_slurm_script_passes_the_warning_signal_on_and_requeues(tmp_path):
+    # stand-ins for srun (a trainer that exits PREEMPTED on TERM) and scontrol (records its args)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\ntrap 'echo got-term >> trainer.log; exit 75' TERM\n"
+        "echo started >> trainer.log\nwhile true; do sleep 0.1; done\n"
+    )
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho "$@" >> scontrol.log\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = dict(
+        os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", HEAD_NODE="n01", SLURM_JOB_ID="77"
+    )
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "benchmark/slurm.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 20
+    while not (tmp_path / "trainer.log").exists():
+        assert time.time() < deadline, "the launch command never started"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 75, stdout
+    assert (tmp_path / "trainer.log").read_text().split() == ["started", "got-term"]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77"]

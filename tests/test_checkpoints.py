@@ -12,7 +12,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import SCRIPT, TINY, scalar_tags
+from conftest import SCRIPT, TINY, free_port, scalar_tags
 
 import ppo_atari_multigpu as ppo
 
@@ -41,7 +41,7 @@ def test_crash_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path, 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
         ppo.save_checkpoint(small_checkpoint(2), str(tmp_path), keep=3)
-    assert os.path.exists(tmp_path / "ckpt_00000002.pt.tmp")  # the half-done write is there...
+    assert os.path.exists(tmp_path / "ckpt_000000000128.pt.tmp")  # the half-done write is there...
     assert ppo.latest_checkpoint(str(tmp_path)) == good  # ...but resume never picks it
     assert ppo.load_checkpoint(good, 4)["iteration"] == 1
 
@@ -49,7 +49,7 @@ def test_crash_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path, 
 def test_only_the_latest_keep_checkpoints_are_kept(tmp_path):
     for it in range(1, 6):
         ppo.save_checkpoint(small_checkpoint(it), str(tmp_path), keep=2)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt_00000004.pt", "ckpt_00000005.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000000000256.pt", "ckpt_000000000320.pt"]
 
 
 def test_loaded_checkpoint_equals_saved_state_exactly(tmp_path):
@@ -142,13 +142,19 @@ def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total(run
     ]
     assert run_trainer(*common).returncode == 0
     uninterrupted_lr = scalar_tags(tmp_path / "runs/r")["charts/learning_rate"]
-    for late in ("ckpt_00000003.pt", "ckpt_00000004.pt"):  # as if it crashed during iteration 3
+    for late in (
+        "ckpt_000000000192.pt",
+        "ckpt_000000000256.pt",
+    ):  # as if it crashed during iteration 3
         os.remove(tmp_path / "runs/r/checkpoints" / late)
     out = run_trainer(*common, "--resume", "auto")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "resumed runs/r/checkpoints/ckpt_00000002.pt: iteration 3, global step 128" in out.stdout
+    assert (
+        "resumed runs/r/checkpoints/ckpt_000000000128.pt: iteration 3, global step 128"
+        in out.stdout
+    )
     assert "iter 3/4" in out.stdout and "iter 1/4" not in out.stdout
-    final = ppo.load_checkpoint(str(tmp_path / "runs/r/checkpoints/ckpt_00000004.pt"), 4)
+    final = ppo.load_checkpoint(str(tmp_path / "runs/r/checkpoints/ckpt_000000000256.pt"), 4)
     assert (final["iteration"], final["global_step"]) == (4, 256)
     tags = scalar_tags(tmp_path / "runs/r")  # TensorBoard's view: no step twice, none missing
     assert tags["charts/learning_rate"] == uninterrupted_lr
@@ -156,13 +162,26 @@ def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total(run
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(run_trainer, tmp_path):
-    common = [*TINY, "--save-interval", "1", "--eval-episodes", "0", "--run-name", "nan"]
-    assert run_trainer(*common, "--total-timesteps", "128").returncode == 0
+    common = [
+        *TINY,
+        "--total-timesteps",
+        "256",
+        "--save-interval",
+        "1",
+        "--eval-episodes",
+        "0",
+        "--run-name",
+        "nan",
+    ]
+    assert run_trainer(*common).returncode == 0
     ckpt_dir = tmp_path / "runs/nan/checkpoints"
+    # the same run, resumed at step 128 with Adam moments that make the first step NaN
+    ckpt = torch.load(ckpt_dir / "ckpt_000000000128.pt", weights_only=True)
+    for state in ckpt["optimizer"]["state"].values():
+        state["exp_avg"].fill_(float("nan"))
+    torch.save(ckpt, tmp_path / "poisoned.pt")
     before = {p: open(p, "rb").read() for p in glob.glob(str(ckpt_dir / "*"))}
-    out = run_trainer(
-        *common, "--total-timesteps", "256", "--resume", "auto", "--learning-rate", "1e38"
-    )
+    out = run_trainer(*common, "--resume", "poisoned.pt")
     assert out.returncode != 0
     assert "non-finite" in out.stderr and "iteration 3" in out.stderr
     assert {p: open(p, "rb").read() for p in glob.glob(str(ckpt_dir / "*"))} == before
@@ -195,7 +214,8 @@ def test_eval_mode_plays_the_requested_number_of_games(run_trainer, tmp_path):
 
 
 def test_evaluation_plays_full_games_and_takes_the_same_number_from_every_env(monkeypatch):
-    # Record, inside each eval env, every episode end: its lives left and its real return.
+    # Record, inside each eval env, every episode end: its lives left and, at a game's end, the
+    # real return of the whole game.
     ends = {}
 
     class Recorder(gym.Wrapper):
@@ -206,31 +226,26 @@ def test_evaluation_plays_full_games_and_takes_the_same_number_from_every_env(mo
         def step(self, action):
             obs, reward, terminated, truncated, info = self.env.step(action)
             if terminated or truncated:
-                ret = float(info["episode"]["r"]) if "episode" in info else None
-                self.ends.append((info["lives"], ret))
+                game = float(info["episode"]["r"]) if "episode" in info else None
+                self.ends.append((info["lives"], game))
             return obs, reward, terminated, truncated, info
 
     make_env = ppo.make_env
 
-    def recording_make_env(env_id, idx, *rest, **kw):
-        return lambda: Recorder(make_env(env_id, idx, *rest, **kw)(), idx)
+    def recording_make_env(env_id, idx, *rest):
+        return lambda: Recorder(make_env(env_id, idx, *rest)(), idx)
 
     monkeypatch.setattr(ppo, "make_env", recording_make_env)
     torch.manual_seed(0)
-    returns = ppo.evaluate(
-        ppo.Agent(4),
-        "BreakoutNoFrameskip-v4",
-        3,
-        torch.device("cpu"),
-        False,
-        "t",
-        seed=1,
-        max_envs=2,
-    )
-    # full games: an episode ends at game over only, never at a lost life
-    assert sorted(ends) == [0, 1] and all(lives == 0 for e in ends.values() for lives, _ in e)
+    cpu = torch.device("cpu")
+    returns = ppo.evaluate(ppo.Agent(4), "BreakoutNoFrameskip-v4", 3, cpu, False, "t", 1, 2)
+    games = {i: [r for lives, r in e if r is not None] for i, e in ends.items()}
+    # a lost life ends a learning episode as in training, but a game counts only at game over
+    assert all(r is None for e in ends.values() for lives, r in e if lives > 0)
+    assert all(lives == 0 for e in ends.values() for lives, r in e if r is not None)
+    assert sum(r is None for e in ends.values() for _, r in e) >= 8  # 4 lost lives per game
     # 3 games from 2 envs: each env's first game, then env 0's second (not whichever ends first)
-    assert returns == [ends[0][0][1], ends[1][0][1], ends[0][1][1]]
+    assert returns == [games[0][0], games[1][0], games[0][1]]
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
@@ -250,11 +265,11 @@ def test_mixed_precision_run_trains_checkpoints_and_resumes(run_trainer, tmp_pat
     ]
     assert run_trainer(*common).returncode == 0
     ckpt_dir = tmp_path / f"runs/{amp}/checkpoints"
-    os.remove(ckpt_dir / "ckpt_00000003.pt")
+    os.remove(ckpt_dir / "ckpt_000000000192.pt")
     out = run_trainer(*common, "--resume", "auto")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "iteration 3, global step 128" in out.stdout and "iter 3/3" in out.stdout
-    final = torch.load(ckpt_dir / "ckpt_00000003.pt", weights_only=True)
+    final = torch.load(ckpt_dir / "ckpt_000000000192.pt", weights_only=True)
     assert final["global_step"] == 192 and final["args"]["amp"] == amp
     assert all(torch.isfinite(v).all() for v in final["model"].values())
     # fp16's loss scale travels with the checkpoint, so a resume does not restart it
@@ -360,3 +375,218 @@ def test_a_hung_rank_makes_its_peer_fail_within_the_timeout(tmp_path):
         proc.kill()
         proc.wait()
     assert "error [rank 0]" in (tmp_path / "stderr.log").read_text()
+
+
+# ---- cluster-proof resume ----
+def test_checkpoints_are_named_and_pruned_by_global_step_across_a_larger_batch(tmp_path):
+    # 1 rank saved iterations 150/200/250 (64 steps each); resumed with a 2x larger global batch,
+    # iteration 137 is step 17,536: the newest checkpoint, so it is kept and `auto` picks it.
+    for iteration in (150, 200, 250):
+        ppo.save_checkpoint(small_checkpoint(iteration), str(tmp_path), keep=3)
+    newest = dict(small_checkpoint(137), global_step=137 * 128)
+    path = ppo.save_checkpoint(newest, str(tmp_path), keep=3)
+    assert os.path.exists(path) and ppo.latest_checkpoint(str(tmp_path)) == path
+    assert len(os.listdir(tmp_path)) == 3 and not os.path.exists(tmp_path / "ckpt_000000009600.pt")
+
+
+def test_a_save_removes_stale_temp_files(tmp_path):
+    (tmp_path / "ckpt_000000000064.pt.tmp").write_bytes(b"half written")
+    ppo.save_checkpoint(small_checkpoint(2), str(tmp_path), keep=3)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt_000000000128.pt"]
+
+
+def test_auto_run_name_is_a_function_of_the_configuration(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ppo.Args(resume="auto", num_envs=8)
+    ppo.resolve_sizes(args, 2)
+    same = ppo.Args(resume="auto", num_envs=8, threads=3, env_backend="native")
+    ppo.resolve_sizes(same, 4)  # other world size, same global batch: the same run
+    other = ppo.Args(resume="auto", num_envs=8, learning_rate=1e-3)
+    ppo.resolve_sizes(other, 2)
+    assert ppo.choose_run_name(args) == ppo.choose_run_name(same)
+    assert ppo.choose_run_name(args) != ppo.choose_run_name(other)
+    assert ppo.choose_run_name(args).startswith("BreakoutNoFrameskip-v4__ppo_atari_multigpu__1__")
+
+
+def test_two_fresh_launches_in_the_same_second_get_separate_directories(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ppo.time, "time", lambda: 1_800_000_000.5)
+    names = {ppo.choose_run_name(ppo.Args()) for _ in range(3)}
+    assert len(names) == 3 and all((tmp_path / "runs" / n).is_dir() for n in names)
+
+
+def resolved(world_size=1, **flags):
+    flags = {"total_timesteps": 256, "num_steps": 32, **flags}
+    return ppo.resolve_sizes(ppo.Args(**flags), world_size)
+
+
+def test_resume_with_other_algorithm_flags_is_refused_naming_old_and_new_values():
+    ckpt = small_checkpoint(2)
+    ckpt["args"] = vars(resolved(local_num_envs=2))
+    assert ppo.resume_problem(ckpt, "c.pt", resolved(local_num_envs=2, threads=1)) is None
+    # the same global batch on another world size, another backend and precision: allowed
+    safe = resolved(2, num_envs=2, env_backend="native", amp="bf16", grad_accum=2)
+    assert ppo.resume_problem(ckpt, "c.pt", safe) is None
+    changed = resolved(local_num_envs=2, total_timesteps=512, anneal_lr=False)
+    msg = ppo.resume_problem(ckpt, "c.pt", changed)
+    assert "--total-timesteps 256 -> 512" in msg and "--anneal-lr True -> False" in msg
+    msg = ppo.resume_problem(ckpt, "c.pt", resolved(2, local_num_envs=2))
+    assert "--num-envs 2 -> 4" in msg and "--num-envs keeps the global batch" in msg
+
+
+def test_resume_from_a_bare_model_file_is_refused_with_a_clear_message(tmp_path):
+    torch.save(ppo.Agent(4).state_dict(), tmp_path / "m.model")
+    ckpt = ppo.load_checkpoint(str(tmp_path / "m.model"), 4)
+    msg = ppo.resume_problem(ckpt, "m.model", resolved())
+    assert "holds only model weights" in msg and "--eval-checkpoint" in msg
+
+
+def test_cpu_runs_never_touch_cuda_for_rng_states(monkeypatch):
+    def no_cuda():
+        raise AssertionError("CUDA touched")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", no_cuda)
+    checkpointer = ppo.Checkpointer(ppo.Args(), "r", 0, 1, torch.device("cpu"))
+    assert checkpointer.rng_state()["cuda"] is None
+
+
+def test_evaluation_presses_fire_after_a_lost_life_as_training_does(monkeypatch):
+    # An agent that only ever chooses NOOP: Breakout stays frozen after a lost life unless the
+    # pipeline presses FIRE, and the game would never end.
+    steps = [0]
+
+    class Limit(gym.Wrapper):
+        def step(self, action):
+            steps[0] += 1
+            assert steps[0] < 20_000, "the game froze after a lost life"
+            return self.env.step(action)
+
+    make_env = ppo.make_env
+    monkeypatch.setattr(ppo, "make_env", lambda *a: lambda: Limit(make_env(*a)()))
+    agent = ppo.Agent(4)
+    with torch.no_grad():
+        agent.actor.weight.zero_()
+        agent.actor.bias.copy_(torch.tensor([50.0, 0.0, 0.0, 0.0]))  # NOOP with p ~ 1
+    returns = ppo.evaluate(agent, "BreakoutNoFrameskip-v4", 1, torch.device("cpu"), False, "t", 1)
+    assert len(returns) == 1
+
+
+def test_resume_across_world_sizes_keeps_the_global_batch_and_logs_each_step_once(
+    run_trainer, tmp_path
+):
+    common = [
+        *TINY,
+        "--num-envs",
+        "4",
+        "--total-timesteps",
+        "768",
+        "--save-interval",
+        "1",
+        "--keep-checkpoints",
+        "10",
+        "--eval-episodes",
+        "0",
+        "--resume",
+        "auto",
+    ]
+    ckpts = tmp_path / "runs"
+
+    def drop_after(step):  # as if the job died right after the checkpoint at `step`
+        for path in ckpts.glob("*/checkpoints/ckpt_*.pt"):
+            if int(path.name[5:-3]) > step:
+                path.unlink()
+
+    out = run_trainer(*common, "--local-num-envs", "4")
+    assert out.returncode == 0, out.stderr[-2000:]
+    drop_after(256)
+    out = run_trainer(*common, "--local-num-envs", "2", nproc=2)  # 1 -> 2 ranks
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "resumed" in out.stdout and "global step 256" in out.stdout
+    drop_after(512)
+    out = run_trainer(*common, "--local-num-envs", "4")  # 2 -> 1 rank
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "global step 512" in out.stdout
+    run_dirs = list(ckpts.iterdir())
+    assert len(run_dirs) == 1  # every launch of the same configuration found the same run
+    steps = [s for s, _ in scalar_tags(run_dirs[0])["charts/SPS"]]
+    assert steps == list(range(128, 769, 128))
+    out = run_trainer(*common, "--local-num-envs", "4")  # the finished run does nothing more
+    assert out.returncode == 0 and "is complete" in out.stdout and "iter " not in out.stdout
+
+
+def test_preempted_run_checkpoints_and_the_same_command_finishes_it(tmp_path):
+    flags = [
+        "--total-timesteps",
+        "2560",
+        "--save-interval",
+        "0",
+        "--resume",
+        "auto",
+        "--eval-episodes",
+        "0",
+    ]
+    proc = launch(tmp_path, [], *flags)
+    try:
+        wait_for(lambda: glob.glob(str(tmp_path / "runs/*/events*")), 120, "training", proc)
+        lines = []
+        while not any(line.startswith("iter 2/") for line in lines):
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        proc.send_signal(signal.SIGTERM)  # as a scheduler would, to the launcher
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stdout = "".join(lines) + stdout
+    assert "preempted" in stdout, stdout[-2000:] + (tmp_path / "stderr.log").read_text()[-2000:]
+    signalled_iter = max(
+        int(line.split()[1].split("/")[0]) for line in lines if line.startswith("iter")
+    )
+    saved = ppo.latest_checkpoint(glob.glob(str(tmp_path / "runs/*/checkpoints"))[0])
+    assert ppo.load_checkpoint(saved, 4)["iteration"] >= signalled_iter
+    proc = launch(tmp_path, [], *flags)
+    stdout, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, (tmp_path / "stderr.log").read_text()[-2000:]
+    assert "resumed" in stdout and "iter 20/20" in stdout
+    steps = [s for s, _ in scalar_tags(glob.glob(str(tmp_path / "runs/*"))[0])["charts/SPS"]]
+    assert steps == list(range(128, 2561, 128))  # exactly the requested steps, none twice
+
+
+def test_a_node_joining_an_elastic_job_continues_the_run_at_the_new_world_size(tmp_path):
+    # torchrun --nnodes=1:2 on loopback: the first agent trains alone; when the second joins,
+    # torchrun stops the worker (SIGTERM: it saves), re-forms the group with 2 ranks, and the run
+    # goes on from that checkpoint with the same global batch (--num-envs). torch 2.13 needs the
+    # rendezvous TCPStore unshared for a scale-up (README "Long runs and failures").
+    port = free_port()
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")
+    torchrun = (
+        f"-m torch.distributed.run --nnodes=1:2 --nproc_per_node=1 --rdzv-backend=c10d "
+        f"--rdzv-endpoint=127.0.0.1:{port} --rdzv-id=elastic --rdzv-conf last_call_timeout=1 "
+        "--max-restarts=3 --monitor-interval=0.5"
+    )
+    flags = (
+        "--no-cuda --num-envs 2 --num-steps 16 --update-epochs 1 --num-minibatches 2 "
+        "--total-timesteps 1600 --save-interval 1 --resume auto --eval-episodes 0 --pg-timeout 60"
+    )
+    cmd = [sys.executable, *torchrun.split(), str(SCRIPT), *flags.split()]
+    logs = [open(tmp_path / f"agent{i}.log", "w") for i in (0, 1)]
+    first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=logs[0], stderr=subprocess.STDOUT)
+    second = None
+    try:
+        ckpts = str(tmp_path / "runs/*/checkpoints/ckpt_*.pt")
+        wait_for(lambda: glob.glob(ckpts), 120, "the first node's checkpoint", first)
+        second = subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=logs[1], stderr=subprocess.STDOUT
+        )
+        codes = [first.wait(timeout=300), second.wait(timeout=60)]
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+    out = "".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
+    assert codes == [0, 0], out[-3000:]
+    assert "1 rank(s)" in out and "2 rank(s)" in out and "world size 1 -> 2" in out
+    run_dirs = glob.glob(str(tmp_path / "runs/*"))
+    assert len(run_dirs) == 1
+    steps = [s for s, _ in scalar_tags(run_dirs[0])["charts/SPS"]]
+    assert steps == list(range(32, 1601, 32))  # exactly the requested steps, none twice

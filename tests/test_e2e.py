@@ -139,3 +139,44 @@ def test_bad_input_fails_fast_on_every_rank(run_trainer, flags, message):
     assert time.time() - start < 60
     for rank in (0, 1):
         assert f"error [rank {rank}]: {message}" in out.stderr
+
+
+def test_ranks_launched_with_different_flags_all_refuse_naming_flags_and_ranks(tmp_path):
+    port = free_port()
+    procs = []
+    for node, epochs in ((0, "1"), (1, "2")):
+        (tmp_path / f"node{node}").mkdir()
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node_rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--nproc_per_node=1",
+            str(SCRIPT),
+            *TINY,
+            "--total-timesteps",
+            "128",
+            "--update-epochs",
+            epochs,
+            "--pg-timeout",
+            "60",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path / f"node{node}",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    start = time.time()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert time.time() - start < 60 and all(p.returncode != 0 for p in procs)
+    for rank, (_, stderr) in enumerate(outs):
+        assert f"error [rank {rank}]: ranks were launched with different flags: " in stderr
+        assert "--update-epochs (rank 0: 1, rank 1: 2)" in stderr
+        assert "exitcode  : 2 " in stderr  # fail()'s own code, not SIGABRT at interpreter exit

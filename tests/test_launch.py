@@ -1,4 +1,5 @@
-"""Device and backend choice (a pure function of flags and launch layout), and run-time flags."""
+"""Launch checks: device and backend choice (a pure function of flags and launch layout), the
+launch environment, run-time sizes that are not flags, and flag minimums."""
 
 import subprocess
 import sys
@@ -10,8 +11,10 @@ from conftest import SCRIPT
 import ppo_atari_multigpu as ppo
 
 
-def choose(num_gpus, world_size=1, local_world_size=1, rank=0, **flags):
-    return ppo.choose_device(ppo.Args(**flags), rank, world_size, local_world_size, num_gpus)
+def choose(num_gpus, world_size=1, local_world_size=1, rank=0, local_rank=None, **flags):
+    local_rank = rank % local_world_size if local_rank is None else local_rank
+    args = ppo.Args(**flags)
+    return ppo.choose_device(args, rank, local_rank, world_size, local_world_size, num_gpus)
 
 
 def test_no_gpu_or_no_cuda_flag_gives_cpu_and_gloo():
@@ -22,6 +25,12 @@ def test_no_gpu_or_no_cuda_flag_gives_cpu_and_gloo():
 def test_one_gpu_per_rank_gives_nccl_on_the_local_gpu():
     # 2 nodes x 2 ranks, 2 GPUs per node: global rank 3 is local rank 1 on the second node
     device, backend = choose(2, world_size=4, local_world_size=2, rank=3)
+    assert (device, backend) == (torch.device("cuda", 1), "nccl")
+
+
+def test_gpu_follows_local_rank_when_the_launcher_sets_no_local_world_size():
+    # LOCAL_WORLD_SIZE absent (read as 1): the GPU must still be LOCAL_RANK's, not GPU 0 for all
+    device, backend = choose(2, world_size=4, local_world_size=1, rank=3, local_rank=1)
     assert (device, backend) == (torch.device("cuda", 1), "nccl")
 
 
@@ -37,7 +46,7 @@ def test_more_ranks_than_gpus_on_a_node_falls_back_to_gloo_on_shared_gpus():
     [
         (0, 2, dict(backend="nccl"), ["--backend nccl needs CUDA", "use --backend gloo"]),
         (4, 1, dict(backend="nccl", cuda=False), ["--backend nccl needs CUDA"]),
-        (2, 4, dict(backend="nccl"), ["nccl refuses two ranks on one GPU", "[0, 1, 0, 1]"]),
+        (2, 4, dict(backend="nccl"), ["nccl refuses two ranks on one GPU", "4 ranks per node"]),
         (2, 2, dict(device_ids=[0]), ["--device-ids has 1 ids for world size 2"]),
         (2, 2, dict(device_ids=[0, 3]), ["--device-ids [0, 3]", "2 GPUs"]),
     ],
@@ -53,6 +62,46 @@ def test_every_rank_reaches_the_same_backend():
     for num_gpus in (0, 1, 2, 4):
         verdicts = {choose(num_gpus, 4, 4, rank)[1] for rank in range(4)}
         assert len(verdicts) == 1, (num_gpus, verdicts)
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"WORLD_SIZE": "2"}, ["WORLD_SIZE=2 is set but RANK is not", "torchrun"]),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, ["MPI launcher (OMPI_COMM_WORLD_SIZE=4)", "torchrun"]),
+        ({"PMI_SIZE": "2"}, ["MPI launcher (PMI_SIZE=2)"]),
+    ],
+)
+def test_launches_that_would_train_n_separate_copies_are_refused(env, words):
+    with pytest.raises(ValueError) as err:
+        ppo.check_launch(env)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_plain_and_torchrun_launches_pass_the_launch_check():
+    ppo.check_launch({})
+    ppo.check_launch({"WORLD_SIZE": "1"})
+    ppo.check_launch({"RANK": "1", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (dict(keep_checkpoints=0), ["--keep-checkpoints must be >= 1, got 0"]),
+        (dict(save_interval=-1), ["--save-interval must be >= 0, got -1"]),
+        (dict(save_minutes=-2.0), ["--save-minutes must be >= 0"]),
+        (dict(eval_episodes=-1), ["--eval-episodes must be >= 0"]),
+        (dict(threads=0), ["--threads must be >= 1"]),
+        (dict(pg_timeout=0.0), ["--pg-timeout must be > 0"]),
+        (dict(eval_checkpoint="m.model", eval_episodes=0), ["--eval-checkpoint needs"]),
+    ],
+)
+def test_out_of_range_flags_are_refused_naming_the_flag(flags, words):
+    with pytest.raises(ValueError) as err:
+        ppo.check_args(ppo.Args(**flags), 1)
+    for word in words:
+        assert word in str(err.value)
 
 
 @pytest.mark.parametrize(
