@@ -4,13 +4,15 @@
         [--exp-names a b] [--last-n 100]
 
 Run directories are named f"{env_id}__{exp_name}__{seed}__{unix_timestamp}" (as the trainer writes
-them). Writes returns_vs_steps.png, returns_vs_time.png and results.md into --out-dir.
+them). Writes returns_vs_steps.png, returns_vs_time.png and results.md into --out-dir, and
+time_split.png (mean seconds per iteration of each rank, split by phase) if runs logged perf/*.
 """
 
 import argparse
 import glob
 import math
 import os
+import re
 import sys
 from collections import defaultdict
 
@@ -23,6 +25,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 RETURN, SPS = "charts/episodic_return", "charts/SPS"
 EVENT_GLOB = "events.out.tfevents.*"
+PERF_TAG = re.compile(r"perf/(rollout|env|update|allreduce)_s/rank(\d+)")
+PHASES = ("env", "inference", "update compute", "all-reduce")  # bottom to top of each bar
+MAX_SPLIT_PANELS = 6
 
 
 def parse_run_name(name):
@@ -267,6 +272,73 @@ def plot_returns(runs, out_path, x_axis="steps", smooth=20):
     plt.close(fig)
 
 
+def time_split(data):
+    """{rank: {phase: mean seconds per iteration}} from one run's load_run() data, phases as in
+    PHASES: env = env_s, inference = rollout_s - env_s, update compute = update_s - allreduce_s,
+    all-reduce = allreduce_s. Each tag is averaged over its iterations; a rank missing any of the
+    four perf tags is left out, so a run without perf tags gives {}."""
+    means = defaultdict(dict)
+    for tag, (_, values, _) in data.items():
+        match = PERF_TAG.fullmatch(tag)
+        if match:
+            means[int(match[2])][match[1]] = float(values.mean())
+    return {
+        rank: {
+            "env": m["env"],
+            "inference": m["rollout"] - m["env"],
+            "update compute": m["update"] - m["allreduce"],
+            "all-reduce": m["allreduce"],
+        }
+        for rank, m in sorted(means.items())
+        if len(m) == 4
+    }
+
+
+def plot_time_split(runs, out_path):
+    """One panel per run with perf tags (the first MAX_SPLIT_PANELS), one stacked bar per rank.
+    Returns the number of panels drawn; writes nothing if that is 0."""
+    splits = [(run["name"], time_split(run["data"])) for run in runs]
+    splits = [(name, split) for name, split in splits if split]
+    if len(splits) > MAX_SPLIT_PANELS:
+        skipped = len(splits) - MAX_SPLIT_PANELS
+        print(
+            f"note: time_split.png shows the first {MAX_SPLIT_PANELS} runs with perf tags; "
+            f"skipped {skipped}",
+            file=sys.stderr,
+        )
+        splits = splits[:MAX_SPLIT_PANELS]
+    if not splits:
+        return 0
+    ncols = min(3, len(splits))
+    nrows = math.ceil(len(splits) / ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(5 * ncols, 3.6 * nrows + 0.6), squeeze=False, layout="constrained"
+    )
+    for ax, (name, split) in zip(axes.flat, splits):
+        ranks = list(split)
+        bottom = np.zeros(len(ranks))
+        for phase in PHASES:
+            seconds = np.array([split[r][phase] for r in ranks])
+            bars = ax.bar(range(len(ranks)), seconds, bottom=bottom, label=phase)
+            bottom += seconds
+        ax.bar_label(bars, labels=[f"{t:.3g} s" for t in bottom], padding=2, fontsize=8)
+        ax.set_ylim(0, 1.15 * max(bottom.max(), 1e-9))  # room for the totals above the bars
+        ax.set_xlim(-1, len(ranks))  # a lone rank's bar is not stretched over the whole panel
+        ax.set_xticks(range(len(ranks)), [str(r) for r in ranks])
+        ax.set_title(name, fontsize=8)
+        ax.set_xlabel("rank")
+        ax.set_ylabel("seconds per iteration")
+    for ax in axes.flat[len(splits) :]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    # one legend for all panels, below them, in stacking order (bottom of the bar first)
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(PHASES))
+    fig.suptitle("time split per rank: mean seconds per iteration (label: total)")
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return len(splits)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs-dir", default="runs")
@@ -291,7 +363,12 @@ def main(argv=None):
     print(table)
     for x_axis, fname in (("steps", "returns_vs_steps.png"), ("time", "returns_vs_time.png")):
         plot_returns(runs, os.path.join(args.out_dir, fname), x_axis, args.smooth)
-    print(f"wrote results.md, returns_vs_steps.png, returns_vs_time.png to {args.out_dir}")
+    written = "results.md, returns_vs_steps.png, returns_vs_time.png"
+    if plot_time_split(runs, os.path.join(args.out_dir, "time_split.png")):
+        written += ", time_split.png"
+    else:
+        print("note: no run has perf/* time tags; time_split.png not written", file=sys.stderr)
+    print(f"wrote {written} to {args.out_dir}")
     return 0
 
 

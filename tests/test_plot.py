@@ -163,3 +163,62 @@ def test_missing_or_empty_runs_dir_returns_2_with_one_line_error(tmp_path, capsy
     assert len(lines) == 1 and lines[0].startswith("error:") and str(runs) in lines[0]
     assert "Traceback" not in captured.err and captured.out == ""
     assert not (tmp_path / "out").exists()
+
+
+def write_perf_run(runs_dir, name, per_rank, n_iters=3):
+    """per_rank: {rank: {key: [value per iteration]}} for keys rollout, env, update, allreduce."""
+    scalars = [(plot.SPS, (i + 1) * 100, 100.0, T0 + i) for i in range(n_iters)]
+    for rank, series in per_rank.items():
+        for key, values in series.items():
+            for i, value in enumerate(values):
+                scalars.append((f"perf/{key}_s/rank{rank}", (i + 1) * 100, value, T0 + i))
+    write_events(Path(runs_dir) / name, scalars)
+
+
+def test_time_split_png_has_one_bar_per_rank_from_perf_tags(tmp_path, capsys):
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    write_perf_run(
+        runs,
+        "Pong-v4__ddp__1__100",
+        {
+            0: dict(rollout=[3, 5, 4], env=[2, 3, 1], update=[1, 2, 3], allreduce=[0.5, 0.5, 0.5]),
+            1: dict(rollout=[6, 6, 6], env=[4, 4, 4], update=[2, 2, 2], allreduce=[1, 0, 2]),
+        },
+    )
+    split = plot.time_split(plot.load_run(str(runs / "Pong-v4__ddp__1__100")))
+    assert list(split) == [0, 1]  # one bar per rank, in rank order
+    assert split[0] == pytest.approx(
+        {"env": 2, "inference": 4 - 2, "update compute": 2 - 0.5, "all-reduce": 0.5}
+    )
+    assert split[1] == pytest.approx(
+        {"env": 4, "inference": 2, "update compute": 1, "all-reduce": 1}
+    )
+    assert list(split[0]) == list(plot.PHASES)
+
+    assert plot.main(["--runs-dir", str(runs), "--out-dir", str(out)]) == 0
+    data = (out / "time_split.png").read_bytes()
+    assert len(data) > 1000 and data.startswith(PNG_MAGIC)
+    assert "time_split.png" in capsys.readouterr().out
+
+
+def test_time_split_skips_runs_without_perf_tags_and_writes_no_png_if_none_has_them(
+    tmp_path, capsys
+):
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    write_run(runs, "Pong-v4__exp__1__100", returns=[1, 2, 3], sps=[100, 200])
+    assert plot.time_split(plot.load_run(str(runs / "Pong-v4__exp__1__100"))) == {}
+    assert plot.main(["--runs-dir", str(runs), "--out-dir", str(out)]) == 0
+    assert (out / "returns_vs_steps.png").exists() and not (out / "time_split.png").exists()
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and "time_split.png" in err_lines[0]
+    assert "Traceback" not in err_lines[0]
+
+    # a run with perf tags next to one without: only the former gets a panel
+    write_perf_run(
+        runs,
+        "Pong-v4__ddp__1__101",
+        {0: dict(rollout=[2], env=[1], update=[1], allreduce=[0])},
+        n_iters=1,
+    )
+    assert plot.plot_time_split(plot.discover_runs(str(runs)), out / "time_split.png") == 1
+    assert (out / "time_split.png").read_bytes().startswith(PNG_MAGIC)
