@@ -19,8 +19,10 @@ import json
 import math
 import os
 import random
+import resource
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -118,6 +120,10 @@ class Args:
     """torch CPU threads per rank (default: cores // ranks on this node, at least 1)"""
     pg_timeout: float = 600.0
     """seconds a collective may wait for a peer before the run fails"""
+
+    # Progress (README "Watching a run")
+    print_every: float = 10.0
+    """seconds between progress lines (the first and last iteration always print; 0: each)"""
 
     # Checkpoints, resume and evaluation (README "Long runs and failures")
     run_name: Optional[str] = None
@@ -364,11 +370,13 @@ def minibatch_gradient(
     agent, args, flat_grads, n_params, batch, mb_inds, world_size, autocast, scaler
 ):
     """Leave in flat_grads the gradient of one minibatch averaged over all ranks (scaled by the
-    fp16 GradScaler when enabled), then its LOSS_STATS. Returns the all-reduce seconds."""
+    fp16 GradScaler when enabled), then its LOSS_STATS. Returns the seconds in collectives."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
-    if args.norm_adv:
+    t = time.perf_counter()
+    if args.norm_adv:  # its tiny all-reduce is where ranks wait for a slower rollout
         mb_advantages = normalize_advantages(mb_advantages, world_size)
+    waited = time.perf_counter() - t
     flat_grads.zero_()
     micro = len(mb_inds) // args.grad_accum
     for m in range(0, len(mb_inds), micro):  # gradient accumulation: sum of micro-batch means / K
@@ -391,7 +399,7 @@ def minibatch_gradient(
     t = time.perf_counter()
     dist.all_reduce(flat_grads)  # SUM, then divide: gloo has no AVG
     flat_grads /= world_size
-    return time.perf_counter() - t
+    return waited + time.perf_counter() - t
 
 
 # ================================================================================================
@@ -574,6 +582,9 @@ def init_distributed(backend, rank, world_size, pg_timeout):
     store = dist.PrefixStore(f"attempt_{attempt}", tcp_store)
     # the global RANK (not LOCAL_RANK) names this process in the group: right on many nodes
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # a second client for the failure board's watcher thread, beside the group's own
+    client = dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(f"attempt_{attempt}/failures", client)
 
 
 def broadcast_object(obj, distributed):
@@ -623,23 +634,32 @@ def fail(msg, rank, world_size):
     leave(2, world_size > 1)
 
 
-def crash_hook(rank, pg_timeout):
-    """An excepthook that keeps the traceback but ends with one line saying which rank failed and
-    why; a failed collective nearly always means a peer died or hung, which gloo/nccl do not say."""
+class CrashReport:
+    """sys.excepthook: keep the traceback, then one line saying which rank failed and why (out of
+    memory, with advice; a failed collective nearly always means a peer died or hung, which
+    gloo/nccl do not say plainly). Once a process group exists the line is also posted to the
+    other ranks (FailureBoard), which stop at once instead of waiting --pg-timeout."""
 
-    def explain_crash(exc_type, exc, tb):
+    def __init__(self, rank, pg_timeout):
+        self.rank, self.pg_timeout, self.device, self.board = rank, pg_timeout, None, None
+
+    def __call__(self, exc_type, exc, tb):
         sys.__excepthook__(exc_type, exc, tb)
-        msg = (str(exc).strip().splitlines() or [exc_type.__name__])[0][:300]
+        first = (str(exc).strip().splitlines() or [exc_type.__name__])[0][:300]
+        msg = oom_advice(exc, self.device) or f"{exc_type.__name__}: {first}"
         peer_words = ("Timed out", "timed out", "closed by peer", "Connection reset", "NCCL")
         if dist.is_initialized() and isinstance(exc, RuntimeError):
-            if any(k in msg for k in peer_words):
+            if any(k in first for k in peer_words):
                 msg = (
-                    "a collective failed: a peer rank died or stopped responding "
-                    f"(--pg-timeout {pg_timeout:g}s) [{msg}]"
+                    f"{exc_type.__name__}: a collective failed: a peer rank died or stopped "
+                    f"responding (--pg-timeout {self.pg_timeout:g}s) [{first}]"
                 )
-        print(f"error [rank {rank}]: {exc_type.__name__}: {msg}", file=sys.stderr, flush=True)
-
-    return explain_crash
+        if self.board is not None and self.board.posted():  # a peer failed first: that is why
+            msg = f"stopping, {self.board.posted()}"
+        print(f"error [rank {self.rank}]: {msg}", file=sys.stderr, flush=True)
+        if self.board is not None:
+            self.board.post(msg)
+            leave(1, True)
 
 
 # ---- CHECKPOINTS: run name, atomic saves, pruning, resume, run time across restarts -----------
@@ -1172,6 +1192,169 @@ def precision(args: Args, device):
     return autocast, scaler
 
 
+# ---- MONITORING: resources and time split per rank, load balance, progress line, failures -----
+def host_rss_gb():
+    """This process's resident memory now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def rank_resources(device):
+    """Host RSS; on CUDA the peak memory allocated / reserved since the last call, and the GPU's
+    utilization where NVIDIA's management library (pynvml) is importable."""
+    out = {"host_rss_gb": host_rss_gb()}
+    if device.type == "cuda":
+        out["gpu_mem_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["gpu_mem_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            out["gpu_util"] = float(torch.cuda.utilization(device))
+        except Exception:  # no pynvml, or a driver without NVML: utilization stays unknown
+            pass
+    return out
+
+
+def time_shares(times):
+    """Where one iteration's time went: env stepping, inference (the rest of the rollout),
+    update compute and all-reduce (waiting for slower ranks included)."""
+    total = times["rollout"] + times["update"]
+    parts = {
+        "env": times["env"],
+        "inference": times["rollout"] - times["env"],
+        "update": times["update"] - times["allreduce"],
+        "allreduce": times["allreduce"],
+    }
+    return {name: seconds / total for name, seconds in parts.items()}
+
+
+def load_imbalance(busy_seconds):
+    """(slowest rank's busy time over the mean, that rank). Busy = the iteration without the
+    collectives, because waiting in them makes every rank's wall time the slowest one's."""
+    mean = sum(busy_seconds) / len(busy_seconds)
+    slow = max(range(len(busy_seconds)), key=busy_seconds.__getitem__)
+    return (busy_seconds[slow] / mean if mean > 0 else 1.0), slow
+
+
+def oom_advice(exc, device):
+    """One line for an out-of-memory error (None for other errors): what was in use, and the
+    flags that lower it."""
+    text = str(exc)
+    oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+    if not oom and "can't allocate memory" not in text:  # torch's CPU allocator
+        return None
+    used = f"{host_rss_gb():.1f} GiB host RSS"
+    if device is not None and device.type == "cuda":
+        used += f", {torch.cuda.memory_reserved(device) / 2**30:.1f} GiB GPU reserved"
+    return (
+        f"out of memory ({type(exc).__name__}: {one_line(exc, 120)}; {used}): use less with "
+        "--grad-accum K (micro-batches), fewer --local-num-envs, or a shorter --num-steps"
+    )
+
+
+class Progress:
+    """Rank 0's progress line: at the first and last iteration and every --print-every seconds,
+    with elapsed time, ETA, SPS, recent return and the load imbalance when it matters."""
+
+    def __init__(self, args: Args, start_step):
+        self.args, self.start_step = args, start_step
+        self.start = self.last = time.time()
+        self.totals = {}  # rank -> summed seconds and peak memory, for the table at the end
+
+    def add(self, reports):
+        for r, rep in enumerate(reports):
+            total = self.totals.setdefault(r, dict.fromkeys(rep["times"], 0.0))
+            for key, seconds in rep["times"].items():
+                total[key] += seconds
+            for key, value in rep["resources"].items():
+                total[key] = max(total.get(key, 0.0), value)
+
+    def line(self, iteration, global_step, sps, recent_returns, num_episodes, imbalance):
+        now, last_iteration = time.time(), iteration == self.args.num_iterations
+        first = global_step - self.start_step <= self.args.batch_size
+        if not (first or last_iteration or now - self.last >= self.args.print_every):
+            return None
+        self.last = now
+        rate = (global_step - self.start_step) / max(now - self.start, 1e-9)
+        eta = (self.args.num_iterations * self.args.batch_size - global_step) / max(rate, 1e-9)
+        mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "-"
+        line = (
+            f"iter {iteration}/{self.args.num_iterations} | step {global_step} | "
+            f"{clock(now - self.start)} elapsed, ETA {clock(eta)} | SPS {sps} | return "
+            f"{mean_return} (last {len(recent_returns)} of {num_episodes} episodes)"
+        )
+        ratio, slow = imbalance
+        if ratio > 1.05:
+            line += f" | imbalance {ratio:.2f}: rank {slow} is slowest"
+        return line
+
+    def table(self):
+        """Per-rank seconds (summed over this session) and peak memory, one row per rank."""
+        rows = ["rank | rollout s | env s | update s | all-reduce s | host RSS GiB | GPU GiB"]
+        for r, t in sorted(self.totals.items()):
+            gpu = f"{t['gpu_mem_reserved_gb']:.2f}" if "gpu_mem_reserved_gb" in t else "-"
+            rows.append(
+                f"{r:>4} | {t['rollout']:>9.1f} | {t['env']:>5.1f} | {t['update']:>8.1f} | "
+                f"{t['allreduce']:>12.1f} | {t['host_rss_gb']:>12.2f} | {gpu:>7}"
+            )
+        return "\n".join(rows)
+
+
+def clock(seconds):
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+class FailureBoard:
+    """A rank that crashes posts one line in the launcher's key-value store; a watcher thread on
+    every other rank sees it within a second, even while its main thread waits in a collective,
+    prints it and exits, instead of waiting --pg-timeout for a peer that is gone."""
+
+    def __init__(self, store, rank):
+        self.store, self.rank = store, rank
+        threading.Thread(target=self.watch, daemon=True).start()
+
+    def post(self, line):
+        try:
+            self.store.set("failed", f"rank {self.rank}: {line}")
+        except Exception:  # the store is gone too: the launcher will stop the others
+            pass
+
+    def posted(self):
+        """Another rank's failure line, if one was posted (None if none, or the store is gone)."""
+        try:
+            line = self.store.get("failed").decode() if self.store.check(["failed"]) else None
+        except Exception:
+            return None
+        return None if line is None or line.startswith(f"rank {self.rank}:") else line
+
+    def watch(self):
+        while True:
+            time.sleep(0.5)
+            line = self.posted()
+            if line is not None:
+                print(f"error [rank {self.rank}]: stopping, {line}", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
+def log_perf(writer, reports, global_step):
+    """perf/* tags of every rank: seconds, shares of the iteration, memory, and the imbalance."""
+    busy = []
+    for r, rep in enumerate(reports):
+        for key, seconds in rep["times"].items():
+            writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
+        for key, share in time_shares(rep["times"]).items():
+            writer.add_scalar(f"perf/share_{key}/rank{r}", share, global_step)
+        for key, value in rep["resources"].items():
+            writer.add_scalar(f"perf/{key}/rank{r}", value, global_step)
+        busy.append(rep["times"]["rollout"] + rep["times"]["update"] - rep["times"]["allreduce"])
+    imbalance = load_imbalance(busy)
+    writer.add_scalar("perf/imbalance", imbalance[0], global_step)
+    return imbalance
+
+
 # ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
 def check_iteration(params, flat_grads, scaler, iteration, global_step, rank, world_size):
     """Stop before non-finite numbers reach a checkpoint (the values are all-reduced, so every
@@ -1215,7 +1398,7 @@ if __name__ == "__main__":
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     master_process = rank == 0
-    sys.excepthook = crash_hook(rank, args.pg_timeout)
+    sys.excepthook = crash_report = CrashReport(rank, args.pg_timeout)
     # From here a SIGTERM is only noted: a rank that torchrun stops because a peer failed first
     # still prints its own error, and a scheduler's warning ends the run after a checkpoint.
     preemption = Preemption()
@@ -1232,13 +1415,16 @@ if __name__ == "__main__":
         fail(e, rank, world_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    crash_report.device = device
     torch.set_num_threads(args.threads or cpu_threads(local_world_size))
     keep_freed_memory()
     if args.eval_checkpoint:
         evaluate_checkpoint(args, device, rank, world_size)
         sys.exit(0)
     if distributed:
-        init_distributed(backend, rank, world_size, args.pg_timeout)
+        board_store = init_distributed(backend, rank, world_size, args.pg_timeout)
+        crash_report.board = FailureBoard(board_store, rank)
+        sys.excepthook = crash_report  # init_process_group wrapped it; ours names the rank
         try:
             check_same_flags(args, world_size)
         except ValueError as e:
@@ -1324,6 +1510,7 @@ if __name__ == "__main__":
 
     recent_returns = deque(maxlen=100)
     num_episodes = 0
+    progress = Progress(args, global_step)
     # a resumed run gets fresh envs with seeds no earlier start used
     seeds = env_seeds(args.seed + global_step, rank, args.local_num_envs)
     next_obs = torch.as_tensor(envs.reset(seeds), device=device)
@@ -1426,6 +1613,7 @@ if __name__ == "__main__":
             "times": times,
             "rng": checkpointer.rng_state(),
             "stop": preemption.signalled,  # a scheduler's warning signal on this rank
+            "resources": rank_resources(device),
         }
         reports = [report]
         if distributed:
@@ -1446,15 +1634,13 @@ if __name__ == "__main__":
             explained_var = np.nanmean([r["ev"] for r in reports])
             writer.add_scalar("losses/explained_variance", explained_var, global_step)
             writer.add_scalar("charts/SPS", sps, global_step)
-            for r, rep in enumerate(reports):
-                for key, seconds in rep["times"].items():
-                    writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
-            mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "-"
-            print(
-                f"iter {iteration}/{args.num_iterations} | step {global_step} | SPS {sps} | "
-                f"return {mean_return} (last {len(recent_returns)} of {num_episodes} episodes)",
-                flush=True,
+            imbalance = log_perf(writer, reports, global_step)
+            progress.add(reports)
+            line = progress.line(
+                iteration, global_step, sps, recent_returns, num_episodes, imbalance
             )
+            if line:
+                print(line, flush=True)
 
         # ---- checkpoint; on a preemption signal (any rank) all ranks stop after this save ----
         stopped = [f"rank {r}: {rep['stop']}" for r, rep in enumerate(reports) if rep["stop"]]
@@ -1477,7 +1663,8 @@ if __name__ == "__main__":
         print(
             f"done: {global_step} steps in {datetime.timedelta(seconds=int(elapsed))}, "
             f"SPS {int(global_step / elapsed)}, mean return (last {len(recent_returns)} episodes) "
-            f"{mean_return}, {num_episodes} episodes, replicas identical: {replicas_ok}",
+            f"{mean_return}, {num_episodes} episodes, replicas identical: {replicas_ok}\n"
+            f"{progress.table()}",
             flush=True,
         )
         model_path = f"runs/{run_name}/{args.exp_name}.model"

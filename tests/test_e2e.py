@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import SCRIPT, TINY, free_port, scalar_tags
 
+PARTS = ("env", "inference", "update", "allreduce")
 CLEANRL_TAGS = [
     "charts/episodic_return",
     "charts/episodic_length",
@@ -46,13 +47,19 @@ def test_torchrun_two_ranks_with_tiny_target_kl_finishes_and_writes_cleanrl_tags
     assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-3000:]
     assert "iter 2/2" in out.stdout and "replicas identical: True" in out.stdout
     tags = scalar_tags(tmp_path / "runs" / "e2e")
-    for tag in CLEANRL_TAGS + [
-        "perf/rollout_s/rank0",
-        "perf/rollout_s/rank1",
-        "perf/allreduce_s/rank1",
-    ]:
+    for tag in CLEANRL_TAGS:
         assert tag in tags, tag
     assert [s for s, _ in tags["charts/SPS"]] == [512, 1024]
+    # perf/: every rank's seconds, shares of the iteration (summing to 1), memory; the imbalance
+    for rank in (0, 1):
+        for part in ("rollout", "env", "update", "allreduce"):
+            assert all(v >= 0 for _, v in tags[f"perf/{part}_s/rank{rank}"])
+        shares = [tags[f"perf/share_{p}/rank{rank}"][-1][1] for p in PARTS]
+        assert all(0 <= x <= 1 for x in shares) and abs(sum(shares) - 1) < 1e-4
+        assert all(0.05 < v < 64 for _, v in tags[f"perf/host_rss_gb/rank{rank}"])
+    assert all(v >= 1 for _, v in tags["perf/imbalance"])
+    table = out.stdout[out.stdout.index("rank | rollout s") :].splitlines()
+    assert [row.split("|")[0].strip() for row in table[1:3]] == ["0", "1"]
     # Stopping after the first epoch is what it did: the same run with 1 epoch ends identical.
     out = run_trainer(
         *TINY,
