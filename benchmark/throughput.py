@@ -1,9 +1,14 @@
 """Throughput of ppo_atari_multigpu.py, side by side, in one invocation (run from anywhere):
     python benchmark/throughput.py [--iterations 30] [--repeats 3] [--only "2x4" ceiling ...]
+        [--reference SCRIPT --reference-python PY]
 Writes a markdown table to stdout and to benchmark/results/throughput-<host>.md; progress goes
 to stderr.
 Trainer configurations and ceilings (env stepping, update, all-reduce alone) run alternately
-(A B C A B C ...), so slow drift of a shared machine hits every configuration alike."""
+(A B C A B C ...), so slow drift of a shared machine hits every configuration alike.
+With --reference, a CleanRL-style reference trainer (e.g. CleanRL's ppo_atari_multigpu.py, run by
+its own interpreter PY, which has the packages it needs) joins the alternation once per layout
+(ranks x envs) of the selected configurations, and every row gets its ratio to the reference
+measured in this run, with the same SPS measure."""
 
 import argparse
 import datetime
@@ -27,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "ppo_atari_multigpu.py"
 NUM_STEPS = 128  # trainer default steps per env per rollout: batch = ranks x envs x 128
 WARMUP_ITERS = 2  # first iterations pay for allocation, caches and thread start-up
-REF_SPS = 309  # the reference's 2x4 on this machine class: 306-312 SPS
+REF_SPS = 309  # the reference's 2x4 on this machine class: 306-312 SPS (used without --reference)
+REFERENCE = "reference"  # name prefix of the reference rows: "reference 2x4"
 
 # (name, ranks, envs per rank, flags); 1 rank runs under plain python, more under
 # torchrun --standalone
@@ -236,13 +242,18 @@ def process_tree(root):
     return tree
 
 
-def run_bounded(cmd, cwd, timeout):
+def run_bounded(cmd, cwd, timeout, foreign=False):
     """(returncode, stdout, stderr); a run past `timeout` is killed with all its descendants
-    (torchrun's ranks)."""
+    (torchrun's ranks). foreign: another interpreter (the reference's), which must not see this
+    environment's Python path settings."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
+    if foreign:
+        for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+            env.pop(key, None)
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
-        env=dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200"),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -313,7 +324,28 @@ def fmt_range(values, digits=0):
     return f"{min(values):.{digits}f}–{max(values):.{digits}f}" if values else "–"
 
 
-def trainer_row(name, ranks, envs, results, skipped):
+def ratio_cell(results, ref_results):
+    """median SPS / the reference's median SPS (same layout, this run), and with several repeats
+    the range of the per-repeat ratios (repeat i of one against repeat i of the other: the runs
+    nearest in time)."""
+    if ref_results is None:
+        return "–"
+    ref_sps = [r["sps"] for r in ref_results if "sps" in r]
+    sps = [r["sps"] for r in results if "sps" in r]
+    if not ref_sps or not sps:
+        return "– (no reference SPS)" if not ref_sps else "–"
+    cell = f"{np.median(sps) / np.median(ref_sps):.2f}"
+    paired = [
+        a["sps"] / b["sps"] for a, b in zip(results, ref_results) if "sps" in a and "sps" in b
+    ]
+    if len(paired) > 1:
+        cell += f" ({fmt_range(paired, 2)})"
+    return cell
+
+
+def trainer_row(name, ranks, envs, results, skipped, ref_results=None, measured_ref=False):
+    """One table row. measured_ref: the ratio column is to the reference measured in this run
+    (ref_results: its runs of this layout, or None), else to the fixed REF_SPS."""
     head = f"| {name} | {ranks}×{envs} |"
     if skipped:
         return head + f" not available ({skipped}) | | | | | | |"
@@ -323,6 +355,12 @@ def trainer_row(name, ranks, envs, results, skipped):
     if not ok:
         return head + f" FAILED: {failed[-1] if failed else 'not run'} | | | | | | |"
     sps = [r["sps"] for r in ok]
+    ratio = ratio_cell(results, ref_results) if measured_ref else f"{np.median(sps) / REF_SPS:.2f}"
+    if name.startswith(REFERENCE):
+        return (
+            head + f" {np.median(sps):.0f}{note} | {fmt_range(sps)} | {ratio} | "
+            "none: the reference logs no per-part timings | | | |"
+        )
     cells = []
     for k in ("env", "inference", "update", "allreduce"):
         if not all(k in r["parts"] for r in ok):
@@ -332,20 +370,29 @@ def trainer_row(name, ranks, envs, results, skipped):
         cells.append(f"{r0:.3f}" if ranks == 1 else f"{r0:.3f} / {mx:.3f}")
     return (
         head
-        + f" {np.median(sps):.0f}{note} | {fmt_range(sps)} | {np.median(sps) / REF_SPS:.2f} | "
+        + f" {np.median(sps):.0f}{note} | {fmt_range(sps)} | {ratio} | "
         + " | ".join(cells)
         + " |"
     )
 
 
-def run_trainer(job, rep, a, tmp):
-    name, ranks, envs, flags = job
-    run_name = f"bench-{name.replace(' ', '-').replace('+', '-')}-{rep}"
-    launch = [sys.executable] + (
+def launcher(python, ranks):
+    """1 rank: plain python; more: torchrun --standalone (as the same module of that python)."""
+    return [python] + (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
         if ranks > 1
         else []
     )
+
+
+def run_name_of(name, rep):
+    return f"bench-{name.replace(' ', '-').replace('+', '-')}-{rep}"
+
+
+def run_trainer(job, rep, a, tmp):
+    name, ranks, envs, flags = job
+    run_name = run_name_of(name, rep)
+    launch = launcher(sys.executable, ranks)
     batch = ranks * envs * NUM_STEPS
     cmd = (
         launch
@@ -379,6 +426,103 @@ def run_trainer(job, rep, a, tmp):
         shutil.rmtree(Path(tmp, "runs", run_name), ignore_errors=True)
 
 
+def reference_cmd(a, ranks, envs, run_name, cuda_flags):
+    """The reference's launch: CleanRL's flags (tyro: --env-id, --local-num-envs, --num-steps,
+    --total-timesteps, --exp-name); cuda_flags turn CUDA off (its tyro version decides the
+    spelling, see probe_reference)."""
+    return launcher(a.reference_python, ranks) + [
+        a.reference,
+        "--env-id",
+        a.env_id,
+        "--local-num-envs",
+        str(envs),
+        "--num-steps",
+        str(NUM_STEPS),
+        "--total-timesteps",
+        str(a.iterations * ranks * envs * NUM_STEPS),
+        *([] if a.cuda else cuda_flags),
+        "--exp-name",
+        run_name,
+    ]
+
+
+REFERENCE_VERSIONS = (
+    "import json, importlib.metadata as m\n"
+    "v = {}\n"
+    "for p in ('torch', 'gymnasium', 'ale-py', 'numpy', 'tyro'):\n"
+    "    try:\n"
+    "        v[p] = m.version(p)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        v[p] = 'absent'\n"
+    "print(json.dumps(v))"
+)
+
+
+def probe_reference(a, cwd):
+    """The reference's --help (which flag turns CUDA off; the flags we pass must exist), the
+    package versions of its interpreter and the script's sha256; exits on a missing flag."""
+    import hashlib
+
+    rc, help_text, err = run_bounded(
+        [a.reference_python, a.reference, "--help"], cwd, 300, foreign=True
+    )
+    if rc != 0:
+        sys.exit(f"reference `--help` failed: {error_line(err)}")
+    for flag in ("--env-id", "--local-num-envs", "--num-steps", "--total-timesteps", "--exp-name"):
+        if not re.search(rf"(?<![\w-]){flag}(?![\w-])", help_text):
+            sys.exit(f"the reference has no {flag} in its --help: not a CleanRL-style trainer?")
+    # tyro >= 0.5 spells a default-True bool as --cuda/--no-cuda; older tyro as --cuda {True,False}
+    no_cuda = re.search(r"(?<![\w-])--no-cuda(?![\w-])", help_text)
+    cuda_flags = ["--no-cuda"] if no_cuda else ["--cuda", "False"]
+    rc, out, err = run_bounded([a.reference_python, "-c", REFERENCE_VERSIONS], cwd, 120, True)
+    versions = json.loads(out.strip().splitlines()[-1]) if rc == 0 else {}
+    sha = hashlib.sha256(Path(a.reference).read_bytes()).hexdigest()[:12]
+    return {"cuda_flags": cuda_flags, "versions": versions, "sha256": sha}
+
+
+def run_reference(job, rep, a, tmp, cuda_flags):
+    """One reference run in a folder of its own (it writes runs/<env>__<exp name>__<seed>__<time>
+    in its working directory); the same SPS measure as ours, from its charts/SPS events."""
+    name, ranks, envs, _ = job
+    run_name = run_name_of(name, rep)
+    cwd = Path(tmp, run_name)
+    cwd.mkdir()
+    try:
+        cmd = reference_cmd(a, ranks, envs, run_name, cuda_flags)
+        rc, _, err = run_bounded(cmd, cwd, a.timeout, foreign=True)
+        if rc != 0:
+            return {"error": error_line(err)}
+        logdirs = sorted(Path(cwd, "runs").glob(f"*__{run_name}__*"))
+        if len(logdirs) != 1:
+            return {"error": f"expected one runs/*__{run_name}__* folder, found {len(logdirs)}"}
+        return read_run(logdirs[0], ranks * envs * NUM_STEPS)
+    except Exception as e:  # a run that exits 0 but logged nothing usable
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        shutil.rmtree(cwd, ignore_errors=True)
+
+
+def reference_configs(configs):
+    """One reference configuration per layout (ranks x envs) of the selected ones, in order."""
+    layouts = dict.fromkeys((ranks, envs) for _, ranks, envs, _ in configs)
+    return [(f"{REFERENCE} {r}x{e}", r, e, []) for r, e in layouts]
+
+
+def shown_argv(argv):
+    """sys.argv for the results file, with the reference's path and interpreter as placeholders:
+    they are machine-specific, and the results file is part of the repository."""
+    shown, hide = [], {"--reference": "SCRIPT", "--reference-python": "PY"}
+    for i, arg in enumerate(argv):
+        key = arg.split("=", 1)[0]
+        if key in hide and "=" in arg:
+            shown.append(f"{key}={hide[key]}")
+        elif i > 0 and argv[i - 1] in hide:
+            shown.append(hide[argv[i - 1]])
+        else:
+            shown.append(arg)
+    return shown
+
+
 def run_ceiling(kind, a, tmp):
     """A ceiling runs in a fresh process, like a trainer run: same start-up state, and a crash
     stays there."""
@@ -390,7 +534,9 @@ def run_ceiling(kind, a, tmp):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def report(a, configs, ceilings, results, skipped, started, load_before):
+def report(a, configs, ceilings, results, skipped, started, load_before, ref=None):
+    """ref: probe_reference's answer when --reference was given; then configs include the
+    reference configurations."""
     import torch
 
     with open("/proc/cpuinfo") as f:
@@ -400,7 +546,8 @@ def report(a, configs, ceilings, results, skipped, started, load_before):
     usable = len(os.sched_getaffinity(0))
     device = "cuda" if a.cuda else "cpu"
     md = [
-        f"# Throughput of ppo_atari_multigpu.py on {a.host}",
+        f"# Throughput of ppo_atari_multigpu.py on {a.host}"
+        + (" beside the reference trainer" if ref else ""),
         "",
         f"- date: {started:%Y-%m-%d %H:%M %Z}, took {minutes:.1f} min",
         f"- host: {a.host}; CPU: {cpu}; cores: {os.cpu_count()} ({usable} usable); "
@@ -408,30 +555,59 @@ def report(a, configs, ceilings, results, skipped, started, load_before):
         f"- torch {torch.__version__}; env {a.env_id}; {a.iterations} iterations per run, "
         f"{a.repeats} repeat(s), first {WARMUP_ITERS} iterations skipped; device: {device}",
         "- command: `"
-        + " ".join(shlex.quote(x) for x in [Path(sys.executable).name] + sys.argv)
+        + " ".join(shlex.quote(x) for x in [Path(sys.executable).name] + shown_argv(sys.argv))
         + "`",
-        "",
     ]
-    if configs:
+    if ref:
+        versions = ", ".join(f"{k} {v}" for k, v in ref["versions"].items()) or "unknown"
+        example = reference_cmd(a, 2, 4, "NAME", ref["cuda_flags"])
+        example[0], example[example.index(a.reference)] = "PY", "SCRIPT"
         md += [
-            "| configuration | ranks×envs | SPS median | SPS min–max | ×ref¹ | env s² | "
+            f"- reference: SCRIPT (sha256 {ref['sha256']}…) under its own interpreter PY "
+            f"({versions}); a 2×4 run: `{' '.join(shlex.quote(x) for x in example)}`, "
+            "in a scratch folder",
+        ]
+    md.append("")
+    if configs:
+        ratio_head = "×reference¹ (measured in this run)" if ref else "×ref¹"
+        md += [
+            f"| configuration | ranks×envs | SPS median | SPS min–max | {ratio_head} | env s² | "
             "inference s² | update compute s² | all-reduce s² |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         md += [
-            trainer_row(name, ranks, envs, results[name], skipped.get(name))
+            trainer_row(
+                name,
+                ranks,
+                envs,
+                results[name],
+                skipped.get(name),
+                results.get(f"{REFERENCE} {ranks}x{envs}"),
+                measured_ref=bool(ref),
+            )
             for name, ranks, envs, _ in configs
         ]
+        md += [""]
+        if ref:
+            md.append(
+                "¹ SPS median / the SPS median of the reference row with the same ranks×envs, "
+                "both from this invocation (runs alternated); in brackets, with several repeats: "
+                "min–max of the per-repeat ratios (repeat i of this row / repeat i of the "
+                "reference)."
+            )
+        else:
+            md.append(
+                f"¹ SPS median / {REF_SPS}: the reference trainer ran 306–312 SPS as 2x4 "
+                "(2 ranks × 4 envs) on this machine class."
+            )
         md += [
-            "",
-            f"¹ SPS median / {REF_SPS}: the reference trainer ran 306–312 SPS as 2x4 "
-            "(2 ranks × 4 envs) on this machine class.",
             "SPS of a run = its steps / its seconds after warm-up (from the wall times of "
             "consecutive charts/SPS events); median and min–max over repeats.",
             "² Median seconds per iteration, pooled over repeats; with several ranks: rank 0 / max "
             "over ranks (per iteration). inference = rollout − env (policy forward, copies, "
-            "storage); update compute = GAE + update − all-reduce, and includes waiting for a "
-            "slower rank in the advantage all-reduce.",
+            "storage); update compute = GAE + update − all-reduce; all-reduce = the collectives of "
+            "the update (gradients and advantage statistics), waiting for a slower rank included."
+            + (" The reference logs no per-part timings, only charts/SPS." if ref else ""),
             "",
         ]
     if ceilings:
@@ -484,11 +660,33 @@ def main():
     p.add_argument(
         "--timeout", type=float, default=900, help="seconds one run may take before it is killed"
     )
+    p.add_argument(
+        "--reference",
+        metavar="SCRIPT",
+        help="a CleanRL-style reference trainer (e.g. CleanRL's ppo_atari_multigpu.py) to run in "
+        "the alternation, once per layout of the selected configurations",
+    )
+    p.add_argument(
+        "--reference-python",
+        metavar="PY",
+        help="the interpreter that runs --reference (its own venv: it needs its own gymnasium / "
+        "ale-py versions); required with --reference",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one ceiling in this process
     a = p.parse_args()
     a.cuda = a.cuda or a.gpu_set
     if a.worker:
         return run_worker(a)
+    if bool(a.reference) != bool(a.reference_python):
+        p.error("--reference and --reference-python go together")
+    if a.reference:
+        # absolute, as runs start elsewhere; not resolved: a venv's python is a symlink whose
+        # target would lose the venv
+        a.reference, a.reference_python = map(os.path.abspath, (a.reference, a.reference_python))
+        if not os.path.isfile(a.reference):
+            p.error(f"--reference: no such file: {a.reference}")
+        if not os.access(a.reference_python, os.X_OK):
+            p.error(f"--reference-python: not an executable: {a.reference_python}")
 
     def wanted(name):
         return not a.only or any(s in name for s in a.only)
@@ -512,19 +710,28 @@ def main():
                 skipped[name] = f"no {' '.join(absent)} in the trainer's --help"
     started = datetime.datetime.now().astimezone()
     load_before = os.getloadavg()
-    results = {name: [] for name, *_ in configs + ceilings}
     # the trainer's runs/ land here, not in the repo
     tmp = tempfile.mkdtemp(prefix="ppo-throughput-")
+    ref, references = None, []
+    if a.reference and configs:
+        ref = probe_reference(a, tmp)
+        log(f"reference: sha256 {ref['sha256']}, {ref['versions']}, CUDA off: {ref['cuda_flags']}")
+        references = reference_configs(configs)
+        configs = references + configs
+    results = {name: [] for name, *_ in configs + ceilings}
     jobs = [c for c in configs if c[0] not in skipped] + ceilings
     try:
-        # A B C A B C ...: drift of a shared machine hits every job alike
+        # A B C, C B A, A B C ...: steady drift of a shared machine hits every job alike
         for rep in range(a.repeats):
-            for i, job in enumerate(jobs):
+            for i, job in enumerate(jobs if rep % 2 == 0 else jobs[::-1]):
                 log(f"[repeat {rep + 1}/{a.repeats}, {i + 1}/{len(jobs)}] {job[0]} ...")
                 t = time.time()
-                res = (
-                    run_trainer(job, rep, a, tmp) if len(job) == 4 else run_ceiling(job[1], a, tmp)
-                )
+                if job in references:
+                    res = run_reference(job, rep, a, tmp, ref["cuda_flags"])
+                elif len(job) == 4:
+                    res = run_trainer(job, rep, a, tmp)
+                else:
+                    res = run_ceiling(job[1], a, tmp)
                 results[job[0]].append(res)
                 summary = ", ".join(
                     f"{k} {v:.1f}" if isinstance(v, float) else f"{k}: {v}"
@@ -534,7 +741,7 @@ def main():
                 log(f"    {time.time() - t:.1f} s: {summary}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    text = report(a, configs, ceilings, results, skipped, started, load_before)
+    text = report(a, configs, ceilings, results, skipped, started, load_before, ref)
     print(text)
     out = REPO / "benchmark" / "results" / f"throughput-{a.host}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

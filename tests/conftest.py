@@ -27,7 +27,7 @@ def free_port():
 def run_trainer(tmp_path):
     """Run the trainer (plain python or torchrun) in tmp_path; returns the CompletedProcess."""
 
-    def run(*args, nproc=None, launcher=None, timeout=180):
+    def run(*args, nproc=None, launcher=None, timeout=600):
         if launcher is not None:
             cmd = launcher
         elif nproc is None:
