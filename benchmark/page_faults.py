@@ -6,24 +6,15 @@ page faults (ru_minflt) of 3 forward+backward passes. Prints a markdown table an
 version; the counts depend on that library's allocator, so this is a measurement, not a test."""
 
 import argparse
-import importlib.util
 import json
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TRAINER = REPO / "ppo_atari_multigpu.py"
+from throughput import REPO, load_trainer  # this folder is on sys.path when run as a script
+
 MODES = ["default", "keep"]  # the C library's own settings; keep_freed_memory()
-
-
-def load_trainer():
-    sys.dont_write_bytecode = True  # no __pycache__ in the repo
-    spec = importlib.util.spec_from_file_location("ppo_atari_multigpu", TRAINER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # the `__main__` block does not run: the name is not __main__
-    return mod
 
 
 def worker(mode):

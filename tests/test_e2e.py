@@ -96,36 +96,31 @@ def test_single_process_run_needs_no_process_group_and_captures_video(run_traine
     assert videos and videos[0].stat().st_size > 1000
 
 
-def test_two_nodes_rendezvous_on_loopback_use_global_ranks(tmp_path):
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node_rank={node}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--nproc_per_node=1",
-                str(SCRIPT),
-                *TINY,
-                "--total-timesteps",
-                "128",
-                "--run-name",
-                "twonode",
-                "--pg-timeout",
-                "60",
-            ],
-            cwd=tmp_path / f"node{node}",
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+def launch_two_nodes(tmp_path, flags_of_node):
+    """Two torchrun agents on loopback (c10d rendezvous), one rank each, in their own folders."""
+    port, procs = free_port(), []
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+        torchrun = (
+            f"-m torch.distributed.run --nnodes=2 --node_rank={node} --rdzv-backend=c10d "
+            f"--rdzv-endpoint=127.0.0.1:{port} --nproc_per_node=1"
         )
-        for node in (0, 1)
-        if (tmp_path / f"node{node}").mkdir() is None
-    ]
+        cmd = [sys.executable, *torchrun.split(), str(SCRIPT), *TINY, *flags_of_node(node)]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path / f"node{node}",
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+def test_two_nodes_rendezvous_on_loopback_use_global_ranks(tmp_path):
+    flags = "--total-timesteps 128 --run-name twonode --pg-timeout 60".split()
+    procs = launch_two_nodes(tmp_path, lambda node: flags)
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     stdout = "".join(o[0] for o in outs)
@@ -149,37 +144,8 @@ def test_bad_input_fails_fast_on_every_rank(run_trainer, flags, message):
 
 
 def test_ranks_launched_with_different_flags_all_refuse_naming_flags_and_ranks(tmp_path):
-    port = free_port()
-    procs = []
-    for node, epochs in ((0, "1"), (1, "2")):
-        (tmp_path / f"node{node}").mkdir()
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            f"--node_rank={node}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--nproc_per_node=1",
-            str(SCRIPT),
-            *TINY,
-            "--total-timesteps",
-            "128",
-            "--update-epochs",
-            epochs,
-            "--pg-timeout",
-            "60",
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=tmp_path / f"node{node}",
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    flags = "--total-timesteps 128 --pg-timeout 60 --update-epochs".split()
+    procs = launch_two_nodes(tmp_path, lambda node: [*flags, str(node + 1)])
     start = time.time()
     outs = [p.communicate(timeout=120) for p in procs]
     assert time.time() - start < 60 and all(p.returncode != 0 for p in procs)
