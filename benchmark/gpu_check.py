@@ -608,7 +608,8 @@ class Check:
             "",
             "## 5. Results table",
             "",
-            "Goals, for reference (not claims): ≥ 10,000 SPS at 8 envs; ≥ 25,000 SPS at 64+ envs "
+            "Goals, for reference (not claims): ≥ 10,000 SPS at 8 envs; "
+            "≥ 25,000 SPS at 64+ envs "
             "(envs of all ranks together).",
             "",
             "| row | ran as ranks×envs×steps | device | SPS, whole run (done line) | SPS after "
@@ -644,7 +645,8 @@ class Check:
             "start-up included). SPS after warm-up: steps / seconds between the charts/SPS "
             f"events of iteration {w} and the last. env / inference / update / all-reduce s: rank "
             "0's median seconds per iteration after warm-up (perf/* tags; inference = rollout − "
-            "env, update = GAE + update − all-reduce). GPU util: the trainer's perf/gpu_util (– "
+            "env, update = GAE + update − all-reduce). "
+            "GPU util: the trainer's perf/gpu_util (– "
             "without pynvml).",
         ]
         best = {}

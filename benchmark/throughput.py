@@ -571,7 +571,8 @@ def report(a, configs, ceilings, results, skipped, started, load_before, ref=Non
     if configs:
         ratio_head = "×reference¹ (measured in this run)" if ref else "×ref¹"
         md += [
-            f"| configuration | ranks×envs | SPS median | SPS min–max | {ratio_head} | env s² | "
+            f"| configuration | ranks×envs | SPS median | SPS min–max | "
+            f"{ratio_head} | env s² | "
             "inference s² | update compute s² | all-reduce s² |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
@@ -603,9 +604,11 @@ def report(a, configs, ceilings, results, skipped, started, load_before, ref=Non
         md += [
             "SPS of a run = its steps / its seconds after warm-up (from the wall times of "
             "consecutive charts/SPS events); median and min–max over repeats.",
-            "² Median seconds per iteration, pooled over repeats; with several ranks: rank 0 / max "
+            "² Median seconds per iteration, pooled over repeats; with several ranks: "
+            "rank 0 / max "
             "over ranks (per iteration). inference = rollout − env (policy forward, copies, "
-            "storage); update compute = GAE + update − all-reduce; all-reduce = the collectives of "
+            "storage); update compute = GAE + update − all-reduce; "
+            "all-reduce = the collectives of "
             "the update (gradients and advantage statistics), waiting for a slower rank included."
             + (" The reference logs no per-part timings, only charts/SPS." if ref else ""),
             "",

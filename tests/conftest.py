@@ -17,6 +17,12 @@ TINY = (
 ).split()
 
 
+def torchrun(nproc, *torchrun_flags, script=SCRIPT):
+    """The command that starts `script` under torchrun on this machine with nproc ranks."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, f"--nproc_per_node={nproc}", *torchrun_flags, str(script)]
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,14 +39,7 @@ def run_trainer(tmp_path):
         elif nproc is None:
             cmd = [sys.executable, str(SCRIPT)]
         else:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={nproc}",
-                str(SCRIPT),
-            ]
+            cmd = torchrun(nproc)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         return subprocess.run(
             cmd + [str(a) for a in args],

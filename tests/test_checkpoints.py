@@ -12,7 +12,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import SCRIPT, TINY, free_port, scalar_tags
+from conftest import SCRIPT, TINY, free_port, scalar_tags, torchrun
 
 import ppo_atari_multigpu as ppo
 
@@ -292,17 +292,7 @@ def workers(launcher_pid):
 
 def launch(tmp_path, torchrun_flags, *flags):
     log = open(tmp_path / "stderr.log", "w")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        *torchrun_flags,
-        str(SCRIPT),
-        *TINY,
-        *flags,
-    ]
+    cmd = [*torchrun(2, *torchrun_flags), *TINY, *flags]
     return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=log, text=True)
 
 

@@ -1,11 +1,10 @@
 """Seeing a run: time shares, load imbalance, the progress line's cadence, and out-of-memory."""
 
 import subprocess
-import sys
 import time
 
 import torch
-from conftest import SCRIPT, TINY
+from conftest import SCRIPT, TINY, torchrun
 
 import ppo_atari_multigpu as ppo
 
@@ -81,19 +80,7 @@ def test_an_out_of_memory_rank_stops_every_rank_with_the_advice_within_a_minute(
         "torch.nn.Conv2d._conv_forward = failing\n"
         f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(runner),
-        *TINY,
-        "--total-timesteps",
-        "1280",
-        "--eval-episodes",
-        "0",
-    ]
+    cmd = [*torchrun(2, script=runner), *TINY, "--total-timesteps", "1280", "--eval-episodes", "0"]
     start = time.time()
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and time.time() - start < 60
