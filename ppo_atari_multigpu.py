@@ -1036,7 +1036,7 @@ class NativeVectorEnv:
         if self.fire:
             # ale-py presses FIRE only when a game starts, and games like Breakout stay frozen
             # after a lost life until FIRE is pressed: the step after a life loss presses FIRE
-            # instead of the agent's action. The trainer still records the agent's action.
+            # (action 1) instead of the agent's action; RankEnvs.act records FIRE there.
             actions = np.where(self.fire_next, 1, actions)
         self.env.send(actions)
 
@@ -1114,6 +1114,17 @@ class RankEnvs:
         self.single_action_space = self.envs[0].single_action_space
         self.env_time = 0.0  # seconds spent waiting for the emulators
 
+    def act(self, env, policy, obs):
+        """The policy's (action, logprob, value) for `obs`. Where the native backend will press
+        FIRE after a lost life, the action and its log-prob are FIRE's under the same policy:
+        PPO must learn from the action that was executed, not from one that was not."""
+        action, logprob, _, value = policy(obs)
+        if isinstance(env, NativeVectorEnv) and env.fire and env.fire_next.any():
+            forced = torch.as_tensor(env.fire_next, device=action.device)
+            action = torch.where(forced, 1, action)
+            logprob = torch.where(forced, policy(obs, action)[1], logprob)
+        return action, logprob, value
+
     def reset(self, seeds):
         frames = []
         for env, g in zip(self.envs, self.groups):
@@ -1124,7 +1135,7 @@ class RankEnvs:
         """Act on `obs` with `policy` and step the envs. Returns (action, logprob, value) and
         gymnasium's (obs, reward, terminated, truncated, infos)."""
         if len(self.envs) == 1:
-            action, logprob, _, value = policy(obs)
+            action, logprob, value = self.act(self.envs[0], policy, obs)
             action_np = action.cpu().numpy()
             t = time.perf_counter()
             result = self.envs[0].step(action_np)
@@ -1134,7 +1145,7 @@ class RankEnvs:
         # on-policy: every action comes from the same weights.
         actions, logprobs, values = [], [], []
         for env, g in zip(self.envs, self.groups):
-            action, logprob, _, value = policy(obs[g.start : g.stop])
+            action, logprob, value = self.act(env, policy, obs[g.start : g.stop])
             env.step_async(action.cpu().numpy())
             actions.append(action)
             logprobs.append(logprob)

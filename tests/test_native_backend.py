@@ -3,6 +3,7 @@
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from ale_py.vector_env import AtariVectorEnv
 
 import ppo_atari_multigpu as ppo
@@ -235,3 +236,43 @@ def test_native_truncation_gives_final_obs_and_episode():
     assert final.shape == (len(cut), 4, 84, 84) and final.dtype == np.uint8
     assert (final[:, :3] == prev[cut, 1:]).all() and (obs[cut] == obs[cut, :1]).all()
     env.close()
+
+
+@pytest.mark.parametrize("async_envs", [False, True])
+def test_native_rollout_records_the_executed_action_and_its_log_prob(async_envs):
+    """After a lost life the native backend presses FIRE: the rollout must store FIRE and
+    log pi(FIRE | obs), so that every stored (action, log-prob) is what the emulator executed."""
+    args = ppo.resolve_sizes(
+        ppo.Args(
+            env_id="BreakoutNoFrameskip-v4",
+            local_num_envs=4,
+            total_timesteps=512,
+            env_backend="native",
+            async_envs=async_envs,
+        ),
+        1,
+    )
+    envs = ppo.RankEnvs(args, "t", False)
+    sent = []
+    for env in envs.envs:
+        send = env.env.send
+        env.env.send = lambda a, send=send: (sent.append(np.array(a)), send(a))[1]
+    torch.manual_seed(0)
+    agent = ppo.Agent(envs.single_action_space.n)
+    obs, forced = torch.as_tensor(envs.reset([0, 1, 2, 3])), 0
+    with torch.no_grad():
+        for _ in range(600):
+            fire_next = np.concatenate([env.fire_next for env in envs.envs])
+            sent.clear()
+            (action, logprob, _), (next_obs, *_rest) = envs.step(agent.get_action_and_value, obs)
+            assert action.tolist() == np.concatenate(sent).tolist()  # stored = executed
+            assert (action[torch.as_tensor(fire_next)] == 1).all()
+            _, expected, _, _ = agent.get_action_and_value(obs, action)
+            # half batches (--async-envs) take other kernels: equal to rounding
+            torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-5)
+            forced += int(fire_next.sum())
+            obs = torch.as_tensor(next_obs)
+            if forced >= 4:
+                break
+    envs.close()
+    assert forced >= 4  # random play in Breakout loses lives: the FIRE case was exercised
