@@ -367,16 +367,15 @@ def grads_in_buffer(params, flat):
 
 
 def minibatch_gradient(
-    agent, args, flat_grads, n_params, batch, mb_inds, world_size, autocast, scaler
+    agent, args, flat_grads, n_params, batch, mb_inds, world_size, autocast, scaler, timer
 ):
     """Leave in flat_grads the gradient of one minibatch averaged over all ranks (scaled by the
-    fp16 GradScaler when enabled), then its LOSS_STATS. Returns the seconds in collectives."""
+    fp16 GradScaler when enabled), then its LOSS_STATS. `timer` times the collectives."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
-    t = time.perf_counter()
-    if args.norm_adv:  # its tiny all-reduce is where ranks wait for a slower rollout
-        mb_advantages = normalize_advantages(mb_advantages, world_size)
-    waited = time.perf_counter() - t
+    if args.norm_adv:
+        with timer:  # its tiny all-reduce is where ranks wait for a slower rollout
+            mb_advantages = normalize_advantages(mb_advantages, world_size)
     flat_grads.zero_()
     micro = len(mb_inds) // args.grad_accum
     for m in range(0, len(mb_inds), micro):  # gradient accumulation: sum of micro-batch means / K
@@ -394,12 +393,10 @@ def minibatch_gradient(
             )
         scaler.scale(loss / args.grad_accum).backward()
         flat_grads[n_params:] += stats / args.grad_accum
-    if world_size == 1:
-        return 0.0
-    t = time.perf_counter()
-    dist.all_reduce(flat_grads)  # SUM, then divide: gloo has no AVG
-    flat_grads /= world_size
-    return waited + time.perf_counter() - t
+    if world_size > 1:
+        with timer:
+            dist.all_reduce(flat_grads)  # SUM, then divide: gloo has no AVG
+            flat_grads /= world_size
 
 
 # ================================================================================================
@@ -1194,6 +1191,16 @@ def speed_up(agent, args: Args):
     return agent
 
 
+def upload(array, device):
+    """A numpy array as a tensor on `device` (on CPU it shares the array's memory). On CUDA the
+    bytes go through pinned memory with non_blocking: a pageable copy would make the host wait
+    for the GPU. torch's pinned allocator keeps each block until its copy has run."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def precision(args: Args, device):
     """One autocast context for rollout and update, and a GradScaler that is active for fp16
     only: the loop has no precision branches (disabled, both leave every number unchanged)."""
@@ -1312,6 +1319,38 @@ class Progress:
                 f"{t['allreduce']:>12.1f} | {t['host_rss_gb']:>12.2f} | {gpu:>7}"
             )
         return "\n".join(rows)
+
+
+class CollectiveClock:
+    """`with clock:` times a block; read() returns the sum since the last read. gloo
+    blocks, so the host clock is right on CPU; NCCL calls only enqueue work, so on CUDA events
+    bracket each block and are read once per iteration: timing adds no sync per minibatch."""
+
+    def __init__(self, device):
+        self.cuda, self.events = device.type == "cuda", []
+
+    def __enter__(self):
+        self.mark()
+
+    def __exit__(self, *exc):
+        self.mark()
+
+    def mark(self):  # enter and exit alike: an event on CUDA, the host clock elsewhere
+        if self.cuda:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+        else:
+            self.events.append(time.perf_counter())
+
+    def read(self):
+        pairs = list(zip(self.events[::2], self.events[1::2]))
+        if self.cuda and pairs:
+            pairs[-1][1].synchronize()
+            seconds = sum(start.elapsed_time(end) for start, end in pairs) / 1000
+        else:
+            seconds = sum(end - start for start, end in pairs)
+        self.events = []
+        return seconds
 
 
 def clock(seconds):
@@ -1522,9 +1561,10 @@ if __name__ == "__main__":
     recent_returns = deque(maxlen=100)
     num_episodes = 0
     progress = Progress(args, global_step)
+    collective_clock = CollectiveClock(device)
     # a resumed run gets fresh envs with seeds no earlier start used
     seeds = env_seeds(args.seed + global_step, rank, args.local_num_envs)
-    next_obs = torch.as_tensor(envs.reset(seeds), device=device)
+    next_obs = upload(envs.reset(seeds), device)
     next_done = torch.zeros(args.local_num_envs, device=device)
 
     for iteration in range(start_iteration, args.num_iterations + 1):
@@ -1553,9 +1593,7 @@ if __name__ == "__main__":
                     # a time limit is not a real end: bootstrap from the final observation's value
                     cut = np.flatnonzero(truncations & ~terminations)
                     if len(cut):
-                        final_obs = torch.as_tensor(
-                            np.stack(infos["final_obs"][cut]), device=device
-                        )
+                        final_obs = upload(np.stack(infos["final_obs"][cut]), device)
                         reward[cut] += (
                             args.gamma * agent.get_value(final_obs).flatten().cpu().numpy()
                         )
@@ -1563,11 +1601,9 @@ if __name__ == "__main__":
                         ep = infos["final_info"]["episode"]
                         for i in np.flatnonzero(infos["final_info"]["_episode"]):
                             episodes.append((global_step, float(ep["r"][i]), int(ep["l"][i])))
-                rewards[step] = torch.as_tensor(reward, device=device)
-                next_obs = torch.as_tensor(next_obs_np, device=device)
-                next_done = torch.as_tensor(
-                    terminations | truncations, dtype=torch.float32, device=device
-                )
+                rewards[step] = upload(reward, device)
+                next_obs = upload(next_obs_np, device)
+                next_done = upload(terminations | truncations, device).float()
         rollout_time = time.perf_counter() - t_rollout
 
         # ---- advantages (GAE) ----
@@ -1587,13 +1623,23 @@ if __name__ == "__main__":
         # ---- PPO update: one all-reduce of the flat gradient buffer per minibatch ----
         batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
         b_inds = np.arange(args.local_batch_size)
-        clipfrac_sum, num_updates, allreduce_time = torch.zeros((), device=device), 0, 0.0
+        clipfrac_sum, num_updates = torch.zeros((), device=device), 0
         for epoch in range(args.update_epochs):
             np.random.shuffle(b_inds)
+            epoch_inds = upload(b_inds, device)  # one copy per epoch, none per minibatch
             for start in range(0, args.local_batch_size, args.local_minibatch_size):
-                mb_inds = b_inds[start : start + args.local_minibatch_size]
-                allreduce_time += minibatch_gradient(
-                    agent, args, flat_grads, n_params, batch, mb_inds, world_size, autocast, scaler
+                mb_inds = epoch_inds[start : start + args.local_minibatch_size]
+                minibatch_gradient(
+                    agent,
+                    args,
+                    flat_grads,
+                    n_params,
+                    batch,
+                    mb_inds,
+                    world_size,
+                    autocast,
+                    scaler,
+                    collective_clock,
                 )
                 scaler.unscale_(optimizer)  # fp16: clip the true gradient (otherwise a no-op)
                 nn.utils.clip_grad_norm_(params, args.max_grad_norm)
@@ -1604,7 +1650,10 @@ if __name__ == "__main__":
             # every rank reads the same all-reduced KL, so every rank stops at the same step
             if args.target_kl is not None and loss_stats[approx_kl_at].item() > args.target_kl:
                 break
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # for the timing only: the update's kernels may be queued
         update_time = time.perf_counter() - t_update
+        allreduce_time = collective_clock.read()
 
         check_iteration(params, flat_grads, scaler, iteration, global_step, rank, world_size)
 

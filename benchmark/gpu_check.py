@@ -13,6 +13,7 @@ script cannot rot.
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -197,11 +198,13 @@ def update_rate(mod, device, n_actions, mbs, amp, seconds):
     advantages = torch.randn(n, device=device)
     batch = (obs, actions, logprobs, advantages, values + advantages, values)
     autocast, scaler = mod.precision(targs, device)
-    rng = np.random.default_rng(0)
+    rng, timer = np.random.default_rng(0), contextlib.nullcontext()  # one rank: no collectives
 
     def minibatch():
-        mb_inds = rng.choice(n, mbs, replace=False)
-        mod.minibatch_gradient(agent, targs, flat, n_params, batch, mb_inds, 1, autocast, scaler)
+        mb_inds = mod.upload(rng.choice(n, mbs, replace=False), device)  # as the trainer: no sync
+        mod.minibatch_gradient(
+            agent, targs, flat, n_params, batch, mb_inds, 1, autocast, scaler, timer
+        )
         scaler.unscale_(optimizer)  # the trainer's step sequence
         torch.nn.utils.clip_grad_norm_(params, targs.max_grad_norm)
         scaler.step(optimizer)

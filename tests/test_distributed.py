@@ -1,5 +1,7 @@
 """Two gloo ranks spawned in-process: the flat all-reduce gives the single-process gradient."""
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -25,7 +27,10 @@ def make_batch(seed, n):
 
 def minibatch_gradient(agent, args, flat, n_params, batch, inds, world_size):
     autocast, scaler = ppo.precision(args, torch.device("cpu"))
-    ppo.minibatch_gradient(agent, args, flat, n_params, batch, inds, world_size, autocast, scaler)
+    timer = contextlib.nullcontext()
+    ppo.minibatch_gradient(
+        agent, args, flat, n_params, batch, inds, world_size, autocast, scaler, timer
+    )
 
 
 def gradient(agent, args, batch, world_size):

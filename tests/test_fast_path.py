@@ -1,5 +1,6 @@
 """The optimized default update path against the straightforward computation (CPU)."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -53,7 +54,9 @@ def optimized(updates, args):
     for u in range(updates):
         batch = data(seed=u)
         inds = np.arange(len(batch[0]))
-        ppo.minibatch_gradient(agent, args, flat, n_params, batch, inds, 1, autocast, scaler)
+        ppo.minibatch_gradient(
+            agent, args, flat, n_params, batch, inds, 1, autocast, scaler, contextlib.nullcontext()
+        )
         scaler.unscale_(opt)
         nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         scaler.step(opt)
@@ -147,3 +150,21 @@ def test_kept_memory_settings_serve_large_blocks_from_the_heap():
         assert lines["not-glibc"] == "False"  # nothing to set: it says so instead of failing
         return
     assert lines == {"set": "True", "mmapped": "0"}
+
+
+def test_minibatch_indices_uploaded_once_per_epoch_give_the_numpy_indices_gradient():
+    # The trainer uploads each epoch's permutation once and slices it (on CUDA, indexing with a
+    # numpy array would copy and wait on every minibatch): same samples, same gradient.
+    args, batch = ppo.Args(), data(n=64)
+    perm = np.random.default_rng(0).permutation(64)
+    grads = []
+    for inds in (perm[16:48], ppo.upload(perm, torch.device("cpu"))[16:48]):
+        torch.manual_seed(0)
+        agent = ppo.Agent(4).to(memory_format=torch.channels_last)
+        flat = ppo.flat_grad_buffer(list(agent.parameters()), len(ppo.LOSS_STATS))
+        n_params = flat.numel() - len(ppo.LOSS_STATS)
+        autocast, scaler = ppo.precision(args, torch.device("cpu"))
+        timer = contextlib.nullcontext()
+        ppo.minibatch_gradient(agent, args, flat, n_params, batch, inds, 1, autocast, scaler, timer)
+        grads.append(flat.clone())
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0

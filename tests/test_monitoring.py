@@ -50,6 +50,17 @@ def test_progress_lines_come_every_print_every_seconds_and_at_the_first_and_last
     )
 
 
+def test_collective_clock_sums_only_the_timed_blocks_and_restarts_after_each_read():
+    timer = ppo.CollectiveClock(torch.device("cpu"))
+    for _ in range(2):
+        with timer:
+            time.sleep(0.02)
+        time.sleep(1.0)  # outside the blocks: not counted
+    first = timer.read()
+    assert 0.04 <= first < 2.0  # counting the untimed sleeps too would give >= 2.04 s
+    assert timer.read() == 0.0
+
+
 def test_out_of_memory_errors_get_one_line_of_advice_and_others_none():
     cpu = torch.device("cpu")
     for exc in (

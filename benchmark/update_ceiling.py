@@ -1,0 +1,146 @@
+"""What the update's arithmetic costs on this CPU, per layer, for fp32 and bf16:
+    python benchmark/update_ceiling.py [--minibatch 128] [--threads 1] [--out FILE]
+For each layer of the trainer's Agent at one minibatch (channels-last, as the trainer runs it):
+(a) the layer's forward + backward as torch runs it (autocast for bf16, as --amp bf16), and
+(b) the same arithmetic as plain matrix products of the im2col shapes (forward, input gradient
+where the trainer needs one, weight gradient): the best this machine's matmul kernels (oneDNN,
+AMX for bf16 where present) do for exactly those shapes. The sum of (b) over layers is a floor
+for the update's arithmetic per minibatch; a square 2048 matmul gives the dtype's peak.
+Everything runs interleaved (A B A B ...) and medians are reported."""
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# (name, in channels, out channels, kernel, stride, input side) of the Agent's trunk; fc last
+CONVS = [("conv1", 4, 32, 8, 4, 84), ("conv2", 32, 64, 4, 2, 20), ("conv3", 64, 64, 3, 1, 9)]
+FC = ("fc", 64 * 7 * 7, 512)
+
+
+def gemm_shapes(batch):
+    """Per layer: the (M, K, N) matrix products of forward, input gradient, weight gradient."""
+    out = {}
+    for i, (name, cin, cout, k, s, side) in enumerate(CONVS):
+        m, kk = batch * ((side - k) // s + 1) ** 2, cin * k * k
+        shapes = [(m, kk, cout)]  # forward: patches x weights
+        if i > 0:  # the first layer's input (the frames) needs no gradient
+            shapes.append((m, cout, kk))
+        shapes.append((cout, m, kk))  # weight gradient
+        out[name] = shapes
+    name, fin, fout = FC
+    out[name] = [(batch, fin, fout), (batch, fout, fin), (fout, batch, fin)]
+    return out
+
+
+def bench(fns, repeats):
+    times = {k: [] for k in fns}
+    for r in range(repeats + 3):  # 3 warm-up rounds: kernel choice, allocator
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            if r >= 3:
+                times[k].append(time.perf_counter() - t)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def layer_fns(batch, dtype):
+    """Each layer's forward + backward as the trainer runs it."""
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    fns = {}
+    for i, (name, cin, cout, k, s, side) in enumerate(CONVS):
+        x = torch.randn(batch, cin, side, side).contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(i > 0)
+        conv = torch.nn.Conv2d(cin, cout, k, stride=s).to(memory_format=torch.channels_last)
+
+        def run(x=x, conv=conv):
+            with amp:
+                y = conv(x)
+            y.float().sum().backward()
+
+        fns[name] = run
+    name, fin, fout = FC
+    x, fc = torch.randn(batch, fin, requires_grad=True), torch.nn.Linear(fin, fout)
+
+    def run_fc():
+        with amp:
+            y = fc(x)
+        y.float().sum().backward()
+
+    fns[name] = run_fc
+    return fns
+
+
+def gemm_fns(batch, dtype):
+    fns = {}
+    for name, shapes in gemm_shapes(batch).items():
+        mats = [
+            (torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)) for m, k, n in shapes
+        ]
+
+        def run(mats=mats):
+            for a, b in mats:
+                torch.mm(a, b)
+
+        fns[name] = run
+    return fns
+
+
+def main():
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--minibatch", type=int, default=128, help="samples per rank per minibatch")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer: 1 per rank)")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--out", type=Path, help="also write the table to this file")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
+    amx = "amx_bf16" in flags
+    shapes = gemm_shapes(a.minibatch)
+    flop = {n: sum(2 * m * k * nn for m, k, nn in s) for n, s in shapes.items()}
+    lines = [
+        f"Update arithmetic per minibatch of {a.minibatch} samples, {a.threads} torch thread(s), "
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"AMX bf16 {'yes' if amx else 'no'}; medians of {a.repeats} interleaved repeats.",
+        "",
+        "| dtype | layer | GFLOP | as trained: fwd+bwd ms | GFLOP/s | as matmuls (floor) ms "
+        "| GFLOP/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        layers, gemms = layer_fns(a.minibatch, dtype), gemm_fns(a.minibatch, dtype)
+        sq = torch.randn(2048, 2048, dtype=dtype)
+        fns = {("layer", k): f for k, f in layers.items()}
+        fns.update({("gemm", k): f for k, f in gemms.items()})
+        fns[("peak", "2048")] = lambda sq=sq: torch.mm(sq, sq)
+        t = bench(fns, a.repeats)
+        total_l = total_g = 0.0
+        for name in layers:
+            tl, tg, g = t[("layer", name)], t[("gemm", name)], flop[name] / 1e9
+            total_l, total_g = total_l + tl, total_g + tg
+            lines.append(
+                f"| {label} | {name} | {g:.2f} | {1e3 * tl:.1f} | {g / tl:.0f} "
+                f"| {1e3 * tg:.1f} | {g / tg:.0f} |"
+            )
+        g = sum(flop.values()) / 1e9
+        lines.append(
+            f"| {label} | **all layers** | {g:.2f} | **{1e3 * total_l:.1f}** | {g / total_l:.0f} "
+            f"| **{1e3 * total_g:.1f}** | {g / total_g:.0f} |"
+        )
+        peak = 2 * 2048**3 / 1e9 / t[("peak", "2048")]
+        lines.append(
+            f"| {label} | 2048² matmul (peak) | {2 * 2048**3 / 1e9:.1f} | | | | {peak:.0f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
