@@ -3,6 +3,7 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 
 from conftest import ROOT
@@ -83,3 +84,28 @@ def test_slurm_script_passes_the_warning_signal_on_and_requeues(tmp_path):
     assert proc.returncode == 75, stdout
     assert (tmp_path / "trainer.log").read_text().split() == ["started", "got-term"]
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77"]
+
+
+def test_update_ceiling_table_has_every_layer_for_both_dtypes_and_the_gemm_shapes_add_up(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmark/update_ceiling.py"),
+            *("--minibatch", "2", "--repeats", "1", "--out", str(tmp_path / "t.md")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in (tmp_path / "t.md").read_text().splitlines() if line.startswith("| ")]
+    for dtype in ("fp32", "bf16"):
+        for layer in ("conv1", "conv2", "conv3", "fc", "**all layers**", "2048² matmul (peak)"):
+            assert any(row.startswith(f"| {dtype} | {layer} |") for row in rows), (dtype, layer)
+    # the matmul shapes carry the layers' arithmetic: 2 x (M K N) per product, as counted by hand
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    from update_ceiling import gemm_shapes
+
+    shapes = gemm_shapes(1)
+    assert shapes["conv1"] == [(400, 256, 32), (32, 400, 256)]  # 20x20 outputs, 4x8x8 patches
+    assert shapes["fc"][0] == (1, 3136, 512) and len(shapes["conv2"]) == 3
