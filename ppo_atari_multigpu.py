@@ -990,7 +990,7 @@ class NativeVectorEnv:
             frameskip=4,
             maxpool=True,
             noop_max=30,
-            use_fire_reset=True,
+            use_fire_reset=True,  # at a game's start only: after a lost life the agent fires
             grayscale=True,
             img_height=84,
             img_width=84,
@@ -1005,7 +1005,6 @@ class NativeVectorEnv:
         self.num_envs = num_envs
         self.single_observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
         self.single_action_space = self.env.single_action_space
-        self.fire = self.env.ale.get_action_set()[1] == ale_py.Action.FIRE  # as FireReset
 
     def _info(self, info):
         # frame_number - episode_frame_number is constant during a game; it jumps at a reset
@@ -1020,7 +1019,6 @@ class NativeVectorEnv:
             seed = int(seed) if np.ndim(seed) == 0 else np.asarray(seed, dtype=np.int64)
         frame, info = self.env.reset(seed=seed)
         self.returns = np.zeros(self.num_envs)  # unclipped score of the running game, all lives
-        self.fire_next = np.zeros(self.num_envs, bool)
         self.stack = np.repeat(frame, 4, axis=1)
         return self.stack, self._info(info)
 
@@ -1029,12 +1027,9 @@ class NativeVectorEnv:
         return self.step_wait()
 
     def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
+        # Every action is the agent's, FIRE after a lost life too: a forced FIRE would be a
+        # transition whose action the policy did not choose (README "Performance").
         actions = np.asarray(actions, dtype=np.int64)
-        if self.fire:
-            # ale-py presses FIRE only when a game starts, and games like Breakout stay frozen
-            # after a lost life until FIRE is pressed: the step after a life loss presses FIRE
-            # (action 1) instead of the agent's action; RankEnvs.act records FIRE there.
-            actions = np.where(self.fire_next, 1, actions)
         self.env.send(actions)
 
     def step_wait(self):
@@ -1048,7 +1043,6 @@ class NativeVectorEnv:
         game_over = self.offset != old_offset
         self.returns += reward
         done = term | trunc
-        self.fire_next = term & ~game_over  # a life was lost and the game goes on
         last = np.concatenate([self.stack[:, 1:], frame], axis=1)
         if game_over.any():  # SAME_STEP: `frame` is already the new game's first frame there
             last[game_over, 3] = info["final_obs"][game_over, 0]
@@ -1111,17 +1105,6 @@ class RankEnvs:
         self.single_action_space = self.envs[0].single_action_space
         self.env_time = 0.0  # seconds spent waiting for the emulators
 
-    def act(self, env, policy, obs):
-        """The policy's (action, logprob, value) for `obs`. Where the native backend will press
-        FIRE after a lost life, the action and its log-prob are FIRE's under the same policy:
-        PPO must learn from the action that was executed, not from one that was not."""
-        action, logprob, _, value = policy(obs)
-        if isinstance(env, NativeVectorEnv) and env.fire and env.fire_next.any():
-            forced = torch.as_tensor(env.fire_next, device=action.device)
-            action = torch.where(forced, 1, action)
-            logprob = torch.where(forced, policy(obs, action)[1], logprob)
-        return action, logprob, value
-
     def reset(self, seeds):
         frames = []
         for env, g in zip(self.envs, self.groups):
@@ -1132,7 +1115,7 @@ class RankEnvs:
         """Act on `obs` with `policy` and step the envs. Returns (action, logprob, value) and
         gymnasium's (obs, reward, terminated, truncated, infos)."""
         if len(self.envs) == 1:
-            action, logprob, value = self.act(self.envs[0], policy, obs)
+            action, logprob, _, value = policy(obs)
             action_np = action.cpu().numpy()
             t = time.perf_counter()
             result = self.envs[0].step(action_np)
@@ -1142,7 +1125,7 @@ class RankEnvs:
         # on-policy: every action comes from the same weights.
         actions, logprobs, values = [], [], []
         for env, g in zip(self.envs, self.groups):
-            action, logprob, value = self.act(env, policy, obs[g.start : g.stop])
+            action, logprob, _, value = policy(obs[g.start : g.stop])
             env.step_async(action.cpu().numpy())
             actions.append(action)
             logprobs.append(logprob)

@@ -85,44 +85,51 @@ def test_life_loss_terminates_without_episode_and_game_goes_on(backend):
     env.close()
 
 
-@pytest.mark.parametrize("backend", ["native", "sync"])
-def test_fire_after_life_loss_relaunches_ball(backend):
-    """Breakout with NOOP only: the ball comes back after a lost life only if FIRE is pressed
-    (native: the step after a life loss; sync: FireReset), so the game must reach game over."""
-    env = BACKENDS[backend]("BreakoutNoFrameskip-v4", 1)
+def noop_life_losses(env, steps, first_action=0):
+    """Life losses (game overs excluded) and games ended in `steps` steps of NOOP, after one
+    step of `first_action`."""
+    lost, ended = 0, 0
+    for t in range(steps):
+        _, _, term, _, infos = env.step(np.full(1, first_action if t == 0 else 0, np.int64))
+        ended += len(games(infos))
+        lost += int(term[0]) - len(games(infos))
+    return lost, ended
+
+
+def test_sync_backend_presses_fire_after_a_lost_life():
+    """Breakout with NOOP only: the ball comes back after a lost life only if FIRE is pressed;
+    the sync pipeline presses it inside the reset (FireReset), so the game reaches game over."""
+    env = make_sync("BreakoutNoFrameskip-v4", 1)
     env.reset(seed=[9])
-    lost = 0
-    for _ in range(1000):
-        _, _, term, _, infos = env.step(np.zeros(1, np.int64))
-        if games(infos):
-            break
-        lost += int(term[0])
-    assert games(infos) and lost == 4  # 5 lives: 4 life losses, then game over
+    lost, ended = noop_life_losses(env, 1000)
+    assert ended >= 1 and lost >= 4  # 5 lives: 4 life losses, then game over
+    env.close()
+
+
+def test_native_backend_leaves_fire_after_a_lost_life_to_the_agent():
+    """The native backend executes only the agent's actions: with NOOP only, the ball lost once
+    never comes back; one FIRE from the agent relaunches it and the next life is lost."""
+    env = NativeVectorEnv("BreakoutNoFrameskip-v4", 1, 1)
+    env.reset(seed=[9])  # ale-py presses FIRE at the game's start: the first ball is in play
+    assert noop_life_losses(env, 1000) == (1, 0)  # after that only the first life is lost
+    assert noop_life_losses(env, 1000, first_action=1) == (1, 0)  # FIRE: one more life lost
     env.close()
 
 
 def test_native_game_return_is_unclipped_sum_over_all_lives():
-    """Replay the executed actions (agent's, FIRE after a life loss) in independent raw
-    AtariVectorEnvs (NextStep autoreset, no life-loss signal, unclipped rewards)."""
+    """Replay the agent's actions in independent raw AtariVectorEnvs (NextStep autoreset, no
+    life-loss signal, unclipped rewards)."""
     n, seeds = 2, [11, 12]
     env = NativeVectorEnv("SpaceInvadersNoFrameskip-v4", n, 1)
-    assert env.fire  # action 1 of space invaders is FIRE: the replacement is exercised
     env.reset(seed=seeds)
-    rng, fire_next, executed, got, lives_lost = (
-        np.random.default_rng(1),
-        np.zeros(n, bool),
-        [[], []],
-        [],
-        0,
-    )
+    rng, executed, got, lives_lost = np.random.default_rng(1), [[], []], [], 0
     while len({i for i, _, _ in got}) < n:
         a = rng.integers(0, env.single_action_space.n, n)
         for i in range(n):
-            executed[i].append(1 if fire_next[i] else a[i])
+            executed[i].append(a[i])
         _, _, term, _, infos = env.step(a)
         got += games(infos)
-        fire_next = term & ~infos.get("final_info", {}).get("_episode", np.zeros(n, bool))
-        lives_lost += fire_next.sum()
+        lives_lost += (term & ~infos.get("final_info", {}).get("_episode", np.zeros(n, bool))).sum()
     ref, big = [], 0
     for i in range(n):
         raw = AtariVectorEnv(
@@ -239,9 +246,8 @@ def test_native_truncation_gives_final_obs_and_episode():
 
 
 @pytest.mark.parametrize("async_envs", [False, True])
-def test_native_rollout_records_the_executed_action_and_its_log_prob(async_envs):
-    """After a lost life the native backend presses FIRE: the rollout must store FIRE and
-    log pi(FIRE | obs), so that every stored (action, log-prob) is what the emulator executed."""
+def test_native_rollout_stores_the_executed_action_and_its_log_prob(async_envs):
+    """Every stored (action, log-prob) is what the emulator executed, after lost lives too."""
     args = ppo.resolve_sizes(
         ppo.Args(
             env_id="BreakoutNoFrameskip-v4",
@@ -259,20 +265,19 @@ def test_native_rollout_records_the_executed_action_and_its_log_prob(async_envs)
         env.env.send = lambda a, send=send: (sent.append(np.array(a)), send(a))[1]
     torch.manual_seed(0)
     agent = ppo.Agent(envs.single_action_space.n)
-    obs, forced = torch.as_tensor(envs.reset([0, 1, 2, 3])), 0
+    obs, lives_lost = torch.as_tensor(envs.reset([0, 1, 2, 3])), 0
     with torch.no_grad():
         for _ in range(600):
-            fire_next = np.concatenate([env.fire_next for env in envs.envs])
             sent.clear()
-            (action, logprob, _), (next_obs, *_rest) = envs.step(agent.get_action_and_value, obs)
+            (action, logprob, _), env_out = envs.step(agent.get_action_and_value, obs)
             assert action.tolist() == np.concatenate(sent).tolist()  # stored = executed
-            assert (action[torch.as_tensor(fire_next)] == 1).all()
             _, expected, _, _ = agent.get_action_and_value(obs, action)
             # half batches (--async-envs) take other kernels: equal to rounding
             torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-5)
-            forced += int(fire_next.sum())
+            next_obs, _, term, _, infos = env_out
+            lives_lost += int(term.sum()) - len(games(infos))
             obs = torch.as_tensor(next_obs)
-            if forced >= 4:
+            if lives_lost >= 4:
                 break
     envs.close()
-    assert forced >= 4  # random play in Breakout loses lives: the FIRE case was exercised
+    assert lives_lost >= 4  # random play in Breakout loses lives: the case was exercised
