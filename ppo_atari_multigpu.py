@@ -1174,6 +1174,15 @@ def speed_up(agent, args: Args):
     return agent
 
 
+def frame_buffer(shape, channels_last, device):
+    """Zeroed uint8 rollout storage of `shape` (steps, envs, C, H, W), laid out as the conv
+    weights are: a minibatch gathered from it needs no reorder before the first convolution."""
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    frames = (shape[0] * shape[1],) + tuple(shape[2:])
+    flat = torch.empty(frames, dtype=torch.uint8, device=device, memory_format=layout)
+    return flat.zero_().view(shape)
+
+
 def upload(array, device):
     """A numpy array as a tensor on `device` (on CPU it shares the array's memory). On CUDA the
     bytes go through pinned memory with non_blocking: a pageable copy would make the host wait
@@ -1534,7 +1543,7 @@ if __name__ == "__main__":
 
     # ALGO Logic: Storage setup (observations stay uint8: a float copy would be 4x the memory)
     obs_shape = (args.num_steps, args.local_num_envs) + envs.single_observation_space.shape
-    obs = torch.zeros(obs_shape, dtype=torch.uint8, device=device)
+    obs = frame_buffer(obs_shape, args.channels_last, device)
     actions = torch.zeros((args.num_steps, args.local_num_envs), dtype=torch.long, device=device)
     logprobs = torch.zeros((args.num_steps, args.local_num_envs), device=device)
     rewards = torch.zeros((args.num_steps, args.local_num_envs), device=device)

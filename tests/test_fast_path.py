@@ -64,6 +64,23 @@ def optimized(updates, args):
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
+def upload(array):
+    return ppo.upload(array, torch.device("cpu"))
+
+
+def gradient(batch, inds):
+    """The trainer's averaged minibatch gradient (one rank, default flags) and its stats."""
+    args = ppo.Args()
+    torch.manual_seed(0)
+    agent = ppo.Agent(4).to(memory_format=torch.channels_last)
+    flat = ppo.flat_grad_buffer(list(agent.parameters()), len(ppo.LOSS_STATS))
+    n_params = flat.numel() - len(ppo.LOSS_STATS)
+    autocast, scaler = ppo.precision(args, torch.device("cpu"))
+    timer = contextlib.nullcontext()
+    ppo.minibatch_gradient(agent, args, flat, n_params, batch, inds, 1, autocast, scaler, timer)
+    return flat.clone()
+
+
 def test_optimized_update_is_bit_identical_to_straightforward_update_without_channels_last():
     args = ppo.Args(channels_last=False)
     assert torch.equal(optimized(4, args), straightforward(4, args))
@@ -155,16 +172,23 @@ def test_kept_memory_settings_serve_large_blocks_from_the_heap():
 def test_minibatch_indices_uploaded_once_per_epoch_give_the_numpy_indices_gradient():
     # The trainer uploads each epoch's permutation once and slices it (on CUDA, indexing with a
     # numpy array would copy and wait on every minibatch): same samples, same gradient.
-    args, batch = ppo.Args(), data(n=64)
+    batch = data(n=64)
     perm = np.random.default_rng(0).permutation(64)
-    grads = []
-    for inds in (perm[16:48], ppo.upload(perm, torch.device("cpu"))[16:48]):
-        torch.manual_seed(0)
-        agent = ppo.Agent(4).to(memory_format=torch.channels_last)
-        flat = ppo.flat_grad_buffer(list(agent.parameters()), len(ppo.LOSS_STATS))
-        n_params = flat.numel() - len(ppo.LOSS_STATS)
-        autocast, scaler = ppo.precision(args, torch.device("cpu"))
-        timer = contextlib.nullcontext()
-        ppo.minibatch_gradient(agent, args, flat, n_params, batch, inds, 1, autocast, scaler, timer)
-        grads.append(flat.clone())
+    grads = [gradient(batch, inds) for inds in (perm[16:48], upload(perm)[16:48])]
     assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+
+
+def test_frames_stored_in_the_weights_layout_give_the_same_gradient_without_a_reorder():
+    # The rollout stores frames channels-last when the weights are: the gathered minibatch is
+    # already in the convolution's layout, and the gradient is that of plain NCHW frames.
+    batch = data(n=64)
+    stored = ppo.frame_buffer((16, 4, 4, 84, 84), True, torch.device("cpu"))
+    stored.copy_(batch[0].view(16, 4, 4, 84, 84))
+    frames = stored.reshape(-1, 4, 84, 84)
+    assert frames.data_ptr() == stored.data_ptr()  # a view: the update reads the rollout's buffer
+    inds = upload(np.random.default_rng(0).permutation(64))[:32]
+    assert frames[inds].is_contiguous(memory_format=torch.channels_last)
+    grads = [gradient((obs,) + batch[1:], inds) for obs in (batch[0], frames)]
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+    plain = ppo.frame_buffer((16, 4, 4, 84, 84), False, torch.device("cpu"))
+    assert plain.is_contiguous() and not plain.any()
