@@ -1178,8 +1178,9 @@ def frame_buffer(shape, channels_last, device):
     """Zeroed uint8 rollout storage of `shape` (steps, envs, C, H, W), laid out as the conv
     weights are: a minibatch gathered from it needs no reorder before the first convolution."""
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    frames = (shape[0] * shape[1],) + tuple(shape[2:])
-    flat = torch.empty(frames, dtype=torch.uint8, device=device, memory_format=layout)
+    flat = torch.empty(
+        (shape[0] * shape[1], *shape[2:]), dtype=torch.uint8, device=device, memory_format=layout
+    )
     return flat.zero_().view(shape)
 
 

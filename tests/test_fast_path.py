@@ -69,7 +69,8 @@ def upload(array):
 
 
 def gradient(batch, inds):
-    """The trainer's averaged minibatch gradient (one rank, default flags) and its stats."""
+    """The trainer's flat buffer after one minibatch (one rank, default flags): the gradient,
+    then the loss statistics."""
     args = ppo.Args()
     torch.manual_seed(0)
     agent = ppo.Agent(4).to(memory_format=torch.channels_last)
