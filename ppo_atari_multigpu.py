@@ -209,6 +209,9 @@ def make_env(env_id, idx, capture_video, run_name):
     def thunk():
         # v5 ids skip 4 frames inside the emulator; frames must be skipped once, here below
         kwargs = {"frameskip": 1} if gym.spec(env_id).kwargs.get("frameskip", 1) != 1 else {}
+        # AtariPreprocessing reads its frames from the emulator itself and drops the one the env
+        # returns on every raw frame: a grayscale one is cheaper to make than RGB (same pixels)
+        kwargs["obs_type"] = "grayscale"
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array", **kwargs)
             env = gym.wrappers.RecordVideo(env, f"videos/{run_name}")
@@ -384,7 +387,7 @@ def minibatch_gradient(
             loss, stats = ppo_loss(
                 agent,
                 args,
-                b_obs[i],
+                b_obs.index_select(0, i),  # whole frames: a copy per row, not per byte as b_obs[i]
                 b_actions[i],
                 b_logprobs[i],
                 mb_advantages[m : m + micro],
@@ -1520,9 +1523,9 @@ if __name__ == "__main__":
         nn.utils.vector_to_parameters(flat_params, agent.parameters())
     agent = speed_up(agent, args)
     autocast, scaler = precision(args, device)
-    # foreach: one kernel per op over all tensors, bit-identical to the per-tensor loop that torch
-    # picks by default on CPU, and faster there (CUDA already defaults to it)
-    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
+    # fused: Adam's whole step in one pass over the weights, where torch's default makes about ten;
+    # the same update up to float rounding, as channels-last (tests/test_fast_path.py)
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat_grads = flat_grad_buffer(params, len(LOSS_STATS))
@@ -1575,7 +1578,8 @@ if __name__ == "__main__":
                 global_step += args.num_envs
                 obs[step] = next_obs
                 dones[step] = next_done
-                policy_out, env_out = envs.step(agent.get_action_and_value, next_obs)
+                # act on the stored copy: it is already in the weights' layout (no second reorder)
+                policy_out, env_out = envs.step(agent.get_action_and_value, obs[step])
                 action, logprob, value = policy_out
                 next_obs_np, reward, terminations, truncations, infos = env_out
                 values[step] = value.flatten()

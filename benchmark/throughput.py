@@ -11,6 +11,7 @@ its own interpreter PY, which has the packages it needs) joins the alternation o
 measured in this run, with the same SPS measure."""
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -136,8 +137,8 @@ def worker_update(mod, a, bf16):
     )
     mod.resolve_sizes(targs, 1)
     n_actions, n = gym.make(a.env_id).action_space.n, targs.local_batch_size
-    agent = mod.Agent(n_actions).to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, foreach=True)
+    agent = mod.speed_up(mod.Agent(n_actions).to(device), targs)  # as the trainer
+    optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, fused=True)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
@@ -149,15 +150,15 @@ def worker_update(mod, a, bf16):
     advantages = torch.randn(n, device=device)
     batch = (obs, actions, logprobs.clone(), advantages, values + advantages, values)
     autocast, scaler = mod.precision(targs, device)  # as the trainer: bf16 autocast or none
-    times = []
+    times, timer = [], contextlib.nullcontext()  # one rank: no collectives to time
     for _ in range(1 + 3):  # one warm-up update, then three timed ones
         t = time.perf_counter()
         for _ in range(targs.update_epochs):
-            inds = np.random.permutation(n)
+            inds = mod.upload(np.random.permutation(n), device)  # as the trainer: once per epoch
             for start in range(0, n, targs.local_minibatch_size):
                 mb_inds = inds[start : start + targs.local_minibatch_size]
                 mod.minibatch_gradient(
-                    agent, targs, flat, n_params, batch, mb_inds, 1, autocast, scaler
+                    agent, targs, flat, n_params, batch, mb_inds, 1, autocast, scaler, timer
                 )
                 # the trainer's step sequence (the scaler acts under fp16 only)
                 scaler.unscale_(optimizer)

@@ -2,7 +2,6 @@
 
 import contextlib
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,7 +36,7 @@ def gradient(agent, args, batch, world_size):
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
-    minibatch_gradient(agent, args, flat, n_params, batch, np.arange(len(batch[0])), world_size)
+    minibatch_gradient(agent, args, flat, n_params, batch, torch.arange(len(batch[0])), world_size)
     assert ppo.grads_in_buffer(params, flat)  # the backward passes wrote into the views
     return flat[:n_params].clone(), flat[n_params:].clone()
 
@@ -64,7 +63,7 @@ def worker(rank, world_size, store, results):
     kls = []
     for update in range(3):
         batch = make_batch(1000 * update + rank, LOCAL)
-        minibatch_gradient(agent, args, flat, n_params, batch, np.arange(LOCAL), world_size)
+        minibatch_gradient(agent, args, flat, n_params, batch, torch.arange(LOCAL), world_size)
         nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         opt.step()
         # what the target-kl check reads on this rank

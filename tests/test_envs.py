@@ -238,3 +238,29 @@ def test_unknown_env_id_names_it_and_suggests_a_close_match(bad_id, suggestion):
     # real Atari ids pass
     trainer.check_env_id(BREAKOUT)
     trainer.check_env_id("ALE/Breakout-v5")
+
+
+def test_grayscale_screen_of_the_inner_env_leaves_every_observation_as_with_rgb(monkeypatch):
+    # AtariPreprocessing reads its frames from the emulator itself; the screen ale-py's step
+    # copies out at every raw frame is dropped, so the trainer asks for the cheaper grayscale one.
+    fast = vector_env(BREAKOUT, 2)
+    make = gym.make
+    monkeypatch.setattr(gym, "make", lambda *a, **kw: make(*a, **{**kw, "obs_type": "rgb"}))
+    rgb = vector_env(BREAKOUT, 2)
+    try:
+        assert fast.envs[0].unwrapped._obs_type == "grayscale"
+        assert rgb.envs[0].unwrapped._obs_type == "rgb"
+        np.testing.assert_array_equal(fast.reset(seed=[4, 5])[0], rgb.reset(seed=[4, 5])[0])
+        rng, ends = np.random.default_rng(4), 0
+        for _ in range(600):
+            action = rng.integers(fast.single_action_space.n, size=2)
+            a, b = fast.step(action), rgb.step(action)
+            for x, y in zip(a[:4], b[:4]):  # obs, reward, terminated, truncated
+                np.testing.assert_array_equal(x, y)
+            for i in np.flatnonzero(a[4].get("_final_obs", [])):
+                np.testing.assert_array_equal(a[4]["final_obs"][i], b[4]["final_obs"][i])
+            ends += int((a[2] | a[3]).sum())
+        assert ends > 0, "no episode ended: the resets were not compared"
+    finally:
+        fast.close()
+        rgb.close()
