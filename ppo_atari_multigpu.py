@@ -373,7 +373,8 @@ def minibatch_gradient(
     agent, args, flat_grads, n_params, batch, mb_inds, world_size, autocast, scaler, timer
 ):
     """Leave in flat_grads the gradient of one minibatch averaged over all ranks (scaled by the
-    fp16 GradScaler when enabled), then its LOSS_STATS. `timer` times the collectives."""
+    fp16 GradScaler when enabled), then its LOSS_STATS. `mb_inds`: a tensor on the batch's
+    device (index_select takes no numpy array). `timer` times the collectives."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
     if args.norm_adv:
