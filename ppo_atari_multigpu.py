@@ -1170,7 +1170,8 @@ def keep_freed_memory():
 
 
 def speed_up(agent, args: Args):
-    """Same-math layout changes and the opt-in compile. Call BEFORE flat_grad_buffer."""
+    """Same-math layout changes (channels-last weights, NCHW again before the last conv's ReLU)
+    and the opt-in compile. Call BEFORE flat_grad_buffer."""
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
         # the last conv's output back to NCHW before its ReLU (Flatten copies it so anyway):

@@ -71,9 +71,8 @@ def gradient(batch, inds, speed_up=True):
     then the loss statistics. speed_up=False: the channels-last model without speed_up's hook."""
     args = ppo.Args()
     torch.manual_seed(0)
-    agent = ppo.Agent(4).to(memory_format=torch.channels_last)
-    if speed_up:
-        agent = ppo.speed_up(agent, args)
+    agent = ppo.Agent(4)
+    agent = ppo.speed_up(agent, args) if speed_up else agent.to(memory_format=torch.channels_last)
     flat = ppo.flat_grad_buffer(list(agent.parameters()), len(ppo.LOSS_STATS))
     n_params = flat.numel() - len(ppo.LOSS_STATS)
     autocast, scaler = ppo.precision(args, torch.device("cpu"))
