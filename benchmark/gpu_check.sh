@@ -38,12 +38,15 @@ TOTAL_S=${GPU_CHECK_TOTAL_S:-450}
 mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 # a fresh folder's worth: no file of an earlier run may pass for this one's
-rm -f "$OUT"/{summary.md,results.json,preflight.log,env-ceiling.log,update-ceiling.log,trainer-rows.log}
+rm -f "$OUT"/{summary.md,results.json,preflight.log} \
+  "$OUT"/{env-ceiling.log,update-ceiling.log,trainer-rows.log}
 SUMMARY=$OUT/summary.md
 {
     echo "# GPU check of ppo_atari_multigpu.py"
     echo
-    echo "- mode: $([ ${#DRY[@]} -gt 0 ] && echo 'CPU dry run (tiny sizes: exercises every step; no GPU figure)' || echo 'GPU run')"
+    mode='GPU run'
+    [ ${#DRY[@]} -gt 0 ] && mode='CPU dry run (tiny sizes: exercises every step; no GPU figure)'
+    echo "- mode: $mode"
     echo "- started: $(date '+%Y-%m-%d %H:%M:%S %Z'), host $(hostname), overall limit ${TOTAL_S} s"
     if commit=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null); then
         git -C "$REPO" diff --quiet HEAD -- 2>/dev/null || commit+=" (with uncommitted changes)"
@@ -66,8 +69,9 @@ SUMMARY=$OUT/summary.md
         elif timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --upgrade --target "$SITE" "$WHEELS"/*.whl >>"$OUT/preflight.log" 2>&1; then
             export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+            names=$(cd "$WHEELS" && ls -- *.whl | sed 's/-py3-none-any.whl//; s/-cp3.*//')
             echo "- installed into \`$SITE\` (PYTHONPATH), from \`$WHEELS\`:" \
-                "$(cd "$WHEELS" && ls -- *.whl | sed 's/-py3-none-any.whl//; s/-cp3.*//' | paste -sd ' ')"
+                "$(echo "$names" | paste -sd ' ')"
         else
             echo "- FAILED: pip install of \`$WHEELS\` (log: \`preflight.log\`):" \
                 "the current environment's packages are used"
@@ -83,8 +87,8 @@ timeout -k 10 "$LEFT" "$PY" "$REPO/benchmark/gpu_check.py" "$OUT" "${DRY[@]}" \
     --deadline $((START + TOTAL_S - 5))
 rc=$?
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    printf '\n**Stopped by the overall %s s limit (exit %s): the sections above are what it measured.**\n' \
-        "$TOTAL_S" "$rc" >>"$SUMMARY"
+    printf '\n**Stopped by the overall %s s limit (exit %s): %s**\n' "$TOTAL_S" "$rc" \
+        'the sections above are what it measured.' >>"$SUMMARY"
 fi
 echo "gpu_check: exit $rc; $SUMMARY"
 exit $rc
