@@ -1,11 +1,15 @@
 """What the update's arithmetic costs on this CPU, per layer, for fp32 and bf16:
-    python benchmark/update_ceiling.py [--minibatch 128] [--threads 1] [--out FILE]
+    python benchmark/update_ceiling.py [--minibatch 128] [--rollout-batch 4] [--threads 1]
+        [--out FILE]
 For each layer of the trainer's Agent at one minibatch (channels-last, as the trainer runs it):
 (a) the layer's forward + backward as torch runs it (autocast for bf16, as --amp bf16), and
 (b) the same arithmetic as plain matrix products of the im2col shapes (forward, input gradient
 where the trainer needs one, weight gradient): the best this machine's matmul kernels (oneDNN,
 AMX for bf16 where present) do for exactly those shapes. The sum of (b) over layers is a floor
 for the update's arithmetic per minibatch; a square 2048 matmul gives the dtype's peak.
+One more row per dtype: the four layers' forward alone (no gradient) at the rollout's batch (the
+envs per rank), as the policy runs them at every rollout step, back to back (warm caches): the
+rollout's arithmetic floor.
 Everything runs interleaved (A B A B ...) and medians are reported."""
 
 import argparse
@@ -34,6 +38,11 @@ def gemm_shapes(batch):
     name, fin, fout = FC
     out[name] = [(batch, fin, fout), (batch, fout, fin), (fout, batch, fin)]
     return out
+
+
+def forward_shapes(batch):
+    """The forward product of each layer (the first of gemm_shapes' list)."""
+    return [shapes[0] for shapes in gemm_shapes(batch).values()]
 
 
 def bench(fns, repeats):
@@ -74,6 +83,26 @@ def layer_fns(batch, dtype):
     return fns
 
 
+def rollout_fn(batch, dtype):
+    """The four layers' forward at the rollout's batch, back to back, without autograd."""
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    convs = [
+        torch.nn.Conv2d(cin, cout, k, stride=s).to(memory_format=torch.channels_last)
+        for _, cin, cout, k, s, _ in CONVS
+    ]
+    x = torch.randn(batch, 4, 84, 84).contiguous(memory_format=torch.channels_last)
+    fc = torch.nn.Linear(FC[1], FC[2])
+
+    def run():
+        with torch.no_grad(), amp:
+            y = x
+            for conv in convs:
+                y = conv(y)
+            fc(y.flatten(1))
+
+    return run
+
+
 def gemm_fns(batch, dtype):
     fns = {}
     for name, shapes in gemm_shapes(batch).items():
@@ -94,6 +123,7 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--minibatch", type=int, default=128, help="samples per rank per minibatch")
+    p.add_argument("--rollout-batch", type=int, default=4, help="envs per rank (rollout batch)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer: 1 per rank)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", type=Path, help="also write the table to this file")
@@ -135,6 +165,13 @@ def main():
         peak = 2 * 2048**3 / 1e9 / t[("peak", "2048")]
         lines.append(
             f"| {label} | 2048² matmul (peak) | {2 * 2048**3 / 1e9:.1f} | | | | {peak:.0f} |"
+        )
+        # back to back, not interleaved: the update-sized runs would evict its weights each time
+        tr = bench({"rollout": rollout_fn(a.rollout_batch, dtype)}, 20 * a.repeats)["rollout"]
+        g = a.rollout_batch * sum(2 * m * k * n for m, k, n in forward_shapes(1)) / 1e9
+        lines.append(
+            f"| {label} | rollout forward, batch {a.rollout_batch} (forward ms) | {g:.3f} "
+            f"| {1e3 * tr:.2f} | {g / tr:.0f} | | |"
         )
     text = "\n".join(lines)
     print(text)

@@ -91,7 +91,8 @@ def test_update_ceiling_table_has_every_layer_for_both_dtypes_and_the_gemm_shape
         [
             sys.executable,
             str(ROOT / "benchmark/update_ceiling.py"),
-            *("--minibatch", "2", "--repeats", "1", "--out", str(tmp_path / "t.md")),
+            *("--minibatch", "2", "--rollout-batch", "3", "--repeats", "1"),
+            *("--out", str(tmp_path / "t.md")),
         ],
         capture_output=True,
         text=True,
@@ -102,6 +103,10 @@ def test_update_ceiling_table_has_every_layer_for_both_dtypes_and_the_gemm_shape
     for dtype in ("fp32", "bf16"):
         for layer in ("conv1", "conv2", "conv3", "fc", "**all layers**", "2048² matmul (peak)"):
             assert any(row.startswith(f"| {dtype} | {layer} |") for row in rows), (dtype, layer)
+        # the rollout row: forward GFLOP of 3 samples = 3 x (conv1 + conv2 + conv3 + fc) MACs x 2
+        macs = 400 * 256 * 32 + 81 * 512 * 64 + 49 * 576 * 64 + 3136 * 512
+        row = f"| {dtype} | rollout forward, batch 3 (forward ms) | {3 * 2 * macs / 1e9:.3f} |"
+        assert any(r.startswith(row) for r in rows), (dtype, row)
     # the matmul shapes carry the layers' arithmetic: 2 x (M K N) per product, as counted by hand
     sys.path.insert(0, str(ROOT / "benchmark"))
     from update_ceiling import gemm_shapes
