@@ -3,9 +3,11 @@
     python benchmark/plot.py --runs-dir runs --out-dir benchmark/results \
         [--exp-names a b] [--last-n 100]
 
-Run directories are named f"{env_id}__{exp_name}__{seed}__{unix_timestamp}" (as the trainer writes
-them). Writes returns_vs_steps.png, returns_vs_time.png and results.md into --out-dir, and
-time_split.png (mean seconds per iteration of each rank, split by phase) if runs logged perf/*.
+Run directories are named as the trainer names them: f"{env_id}__{exp_name}__{seed}__{suffix}",
+the suffix a unix timestamp (with "-2", "-3"... when two launches share a second) or, with
+--resume auto, "cfg" and ten hex digits. Writes returns_vs_steps.png, returns_vs_time.png and
+results.md into --out-dir, and time_split.png (mean seconds per iteration of each rank, split by
+phase) if runs logged perf/*.
 """
 
 import argparse
@@ -27,15 +29,16 @@ RETURN, SPS = "charts/episodic_return", "charts/SPS"
 EVENT_GLOB = "events.out.tfevents.*"
 PERF_TAG = re.compile(r"perf/(rollout|env|update|allreduce)_s/rank(\d+)")
 PHASES = ("env", "inference", "update compute", "all-reduce")  # bottom to top of each bar
+RUN_SUFFIX = re.compile(r"\d+(-\d+)?|cfg[0-9a-f]{10}")  # the trainer's choose_run_name
 MAX_SPLIT_PANELS = 6
 
 
 def parse_run_name(name):
-    """(env_id, exp_name, seed) from 'env__exp__seed__timestamp', or None if it does not match.
-    Only env is taken from the front and seed/timestamp from the back, so exp_name may contain
+    """(env_id, exp_name, seed) from 'env__exp__seed__suffix', or None if it does not match.
+    Only env is taken from the front and seed/suffix from the back, so exp_name may contain
     underscores (even double ones)."""
     parts = name.split("__")
-    if len(parts) < 4 or not (parts[-2].isdigit() and parts[-1].isdigit()):
+    if len(parts) < 4 or not (parts[-2].isdigit() and RUN_SUFFIX.fullmatch(parts[-1])):
         return None
     return parts[0], "__".join(parts[1:-2]), int(parts[-2])
 
@@ -108,7 +111,7 @@ def discover_runs(runs_dir, exp_names=None):
         name = os.path.relpath(run_dir, runs_dir).replace(os.sep, "/")
         parsed = parse_run_name(name)
         if parsed is None:
-            msg = f"warning: skipping '{name}': not named env__exp__seed__timestamp"
+            msg = f"warning: skipping '{name}': not named env__exp__seed__suffix"
             print(msg, file=sys.stderr)
         elif exp_names is None or parsed[1] in exp_names:
             runs.append(

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+import ppo_atari_multigpu as ppo
+
 _spec = importlib.util.spec_from_file_location(
     "benchmark_plot", Path(__file__).resolve().parents[1] / "benchmark" / "plot.py"
 )
@@ -47,6 +49,14 @@ def test_run_name_parsing_keeps_underscores_in_exp_name_and_reads_seed_third():
     )
     assert plot.parse_run_name("Pong-v4__a__b_c__1__2") == ("Pong-v4", "a__b_c", 1)
     assert plot.parse_run_name("not_a_run") is None
+    assert plot.parse_run_name("Pong-v4__a__1__notastamp") is None
+
+
+def test_run_names_the_trainer_makes_under_resume_auto_or_in_a_shared_second_are_plotted():
+    args = ppo.Args(env_id="Pong-v4", exp_name="my_exp", seed=4, resume="auto")
+    auto = ppo.choose_run_name(args)
+    assert plot.parse_run_name(auto) == ("Pong-v4", "my_exp", 4)
+    assert plot.parse_run_name("Pong-v4__my_exp__4__1764670000-2") == ("Pong-v4", "my_exp", 4)
 
 
 def test_results_table_mean_and_std_over_seeds_of_last_n_episode_means(tmp_path):
