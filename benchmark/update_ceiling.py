@@ -10,7 +10,7 @@ for the update's arithmetic per minibatch; a square 2048 matmul gives the dtype'
 One more row per dtype: the four layers' forward alone (no gradient) at the rollout's batch (the
 envs per rank), as the policy runs them at every rollout step, back to back (warm caches): the
 rollout's arithmetic floor.
-Everything runs interleaved (A B A B ...) and medians are reported."""
+Everything else runs interleaved (A B A B ...); medians are reported."""
 
 import argparse
 import platform
