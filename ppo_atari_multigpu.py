@@ -7,8 +7,9 @@
 #
 # Layout: the CORE is CleanRL's PPO in CleanRL's order (Args, make_env, Agent, GAE, loss, the
 # flat-gradient all-reduce). The EXTRAS follow, one labelled block each (FLAGS, LAUNCH,
-# CHECKPOINTS, EVALUATION, ENV BACKENDS, FAST PATH AND MIXED PRECISION, RUN-TIME CHECKS). MAIN
-# runs setup, rollout, GAE, update and logging, calling each extra in a line or two.
+# CHECKPOINTS, PREEMPTION, EVALUATION, ENV BACKENDS, FAST PATH AND MIXED PRECISION, MONITORING,
+# RUN-TIME CHECKS). MAIN runs setup, rollout, GAE, update and logging, calling each extra in a
+# line or two.
 import atexit
 import ctypes
 import datetime
