@@ -156,6 +156,7 @@ def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total(run
     assert "iter 3/4" in out.stdout and "iter 1/4" not in out.stdout
     final = ppo.load_checkpoint(str(tmp_path / "runs/r/checkpoints/ckpt_000000000256.pt"), 4)
     assert (final["iteration"], final["global_step"]) == (4, 256)
+    assert final["optimizer"]["param_groups"][0]["fused"]  # the Adam test_fast_path checks
     tags = scalar_tags(tmp_path / "runs/r")  # TensorBoard's view: no step twice, none missing
     assert tags["charts/learning_rate"] == uninterrupted_lr
     assert [s for s, _ in tags["charts/SPS"]] == [64, 128, 192, 256]
