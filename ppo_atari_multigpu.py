@@ -849,7 +849,11 @@ class Checkpointer:
                 )
             leave(0, self.world_size > 1)
         agent.load_state_dict(ckpt["model"])  # in place: the gradient views stay valid
+        # a checkpoint's param groups carry the Adam kernel flags of the trainer that wrote it
+        kernel = {k: optimizer.param_groups[0][k] for k in ("fused", "foreach")}
         optimizer.load_state_dict(ckpt["optimizer"])
+        for group in optimizer.param_groups:
+            group.update(kernel)
         if ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
         same_world = ckpt["world_size"] == self.world_size
