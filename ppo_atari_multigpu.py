@@ -265,8 +265,13 @@ class Agent(nn.Module):
         # otherwise reorder a 4x larger float copy on every call
         if self.network[0].weight.is_contiguous(memory_format=torch.channels_last):
             x = x.contiguous(memory_format=torch.channels_last)
-        # convert, then divide in place: two vectorised passes, faster than one mixed-type div
-        return self.network(x.to(torch.float32, copy=True).div_(255.0)).float()
+        # convert, then divide in place: two vectorised passes, faster than one mixed-type div.
+        # Under --amp the first conv would cast fp32 frames to the autocast dtype: convert bytes
+        # straight to it (same values: bytes are exact there, the division rounds once)
+        dtype = torch.float32
+        if x.dtype == torch.uint8 and torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        return self.network(x.to(dtype, copy=True).div_(255.0)).float()
 
     def get_value(self, x):
         hidden = self.hidden(x)

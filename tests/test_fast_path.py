@@ -231,3 +231,21 @@ def test_frames_are_scaled_to_exactly_cleanrls_float_division_for_every_byte_val
             expected = agent.network(frames.float() / 255.0)
             assert torch.equal(agent.hidden(frames), expected)
             assert torch.equal(agent.hidden(frames.float()), expected)
+
+
+def test_frames_under_amp_reach_the_first_conv_as_the_autocast_cast_of_the_float_division():
+    # under --amp, hidden() converts bytes straight to the autocast dtype: the first conv must see
+    # exactly what autocast makes of x.float() / 255 (hence every number downstream is unchanged)
+    frames = torch.arange(256, dtype=torch.uint8).repeat(4 * 84 * 84 // 256 + 1)
+    frames = frames[: 4 * 84 * 84].view(1, 4, 84, 84).repeat(2, 1, 1, 1)
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        agent = ppo.speed_up(ppo.Agent(4), ppo.Args())
+        seen = []
+        agent.network[0].register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0]))
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+            out = agent.hidden(frames)
+            expected = agent.network(frames.float() / 255.0)
+        assert seen[0].dtype == dtype and seen[1].dtype == torch.float32
+        assert torch.equal(seen[0], (frames.float() / 255.0).to(dtype))
+        assert torch.equal(out, expected) and out.abs().sum() > 0
