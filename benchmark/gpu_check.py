@@ -181,7 +181,7 @@ def update_rate(mod, device, n_actions, mbs, amp, seconds):
 
     targs = mod.Args(amp=amp)
     agent = mod.speed_up(mod.Agent(n_actions).to(device), targs)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, fused=True)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, foreach=True)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))

@@ -138,7 +138,7 @@ def worker_update(mod, a, bf16):
     mod.resolve_sizes(targs, 1)
     n_actions, n = gym.make(a.env_id).action_space.n, targs.local_batch_size
     agent = mod.speed_up(mod.Agent(n_actions).to(device), targs)  # as the trainer
-    optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, fused=True)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, foreach=True)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))

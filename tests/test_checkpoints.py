@@ -126,7 +126,7 @@ def test_corrupt_checkpoint_stops_every_rank_with_the_message(run_trainer, tmp_p
         assert f"error [rank {rank}]: checkpoint bad.pt is unreadable" in out.stderr
 
 
-def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total_with_fused_adam(
+def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total_with_foreach_adam(
     run_trainer, tmp_path
 ):
     common = [
@@ -149,10 +149,10 @@ def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total_wit
         "ckpt_000000000256.pt",
     ):  # as if it crashed during iteration 3
         os.remove(tmp_path / "runs/r/checkpoints" / late)
-    # ... and as if an earlier trainer, with foreach Adam, had written the checkpoint
+    # ... and as if a trainer with fused Adam (d19c333..1130d19) had written the checkpoint
     path = tmp_path / "runs/r/checkpoints/ckpt_000000000128.pt"
     ckpt = torch.load(path, weights_only=True)
-    ckpt["optimizer"]["param_groups"][0].update(fused=None, foreach=True)
+    ckpt["optimizer"]["param_groups"][0].update(fused=True, foreach=None)
     torch.save(ckpt, path)
     out = run_trainer(*common, "--resume", "auto")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -163,8 +163,9 @@ def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total_wit
     assert "iter 3/4" in out.stdout and "iter 1/4" not in out.stdout
     final = ppo.load_checkpoint(str(tmp_path / "runs/r/checkpoints/ckpt_000000000256.pt"), 4)
     assert (final["iteration"], final["global_step"]) == (4, 256)
-    # the resumed run steps with this trainer's Adam, the fused one test_fast_path checks
-    assert final["optimizer"]["param_groups"][0]["fused"]
+    # the resumed run steps with this trainer's Adam, the foreach one test_fast_path checks
+    group = final["optimizer"]["param_groups"][0]
+    assert group["foreach"] and not group["fused"]
     tags = scalar_tags(tmp_path / "runs/r")  # TensorBoard's view: no step twice, none missing
     assert tags["charts/learning_rate"] == uninterrupted_lr
     assert [s for s, _ in tags["charts/SPS"]] == [64, 128, 192, 256]
