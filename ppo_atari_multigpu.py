@@ -261,17 +261,8 @@ class Agent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def hidden(self, x):
-        # with channels-last weights, reorder the uint8 frames BEFORE the division: oneDNN would
-        # otherwise reorder a 4x larger float copy on every call
-        if self.network[0].weight.is_contiguous(memory_format=torch.channels_last):
-            x = x.contiguous(memory_format=torch.channels_last)
-        # convert, then divide in place: two vectorised passes, faster than one mixed-type div.
-        # Under --amp the first conv would cast fp32 frames to the autocast dtype: convert bytes
-        # straight to it (same values: bytes are exact there, the division rounds once)
-        dtype = torch.float32
-        if x.dtype == torch.uint8 and torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-        return self.network(x.to(dtype, copy=True).div_(255.0)).float()
+        # x / 255.0, in the first conv's layout and dtype (FAST PATH: network_input)
+        return self.network(network_input(x, self.network[0].weight)).float()
 
     def get_value(self, x):
         hidden = self.hidden(x)
@@ -1192,6 +1183,20 @@ def speed_up(agent, args: Args):
         # compile the forward only: the module, its state_dict keys and checkpoints stay as they are
         agent.network.forward = torch.compile(agent.network.forward)
     return agent
+
+
+def network_input(x, first_weight):
+    """Frames / 255 as the first conv takes them. With channels-last weights the uint8 frames are
+    reordered BEFORE the division (oneDNN would otherwise reorder a 4x larger float copy on every
+    call). Under --amp the conv would cast fp32 frames to the autocast dtype, so bytes go straight
+    to it: the same values, as bytes are exact there and the division rounds once."""
+    if first_weight.is_contiguous(memory_format=torch.channels_last):
+        x = x.contiguous(memory_format=torch.channels_last)
+    dtype = torch.float32
+    if x.dtype == torch.uint8 and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+    # convert, then divide in place: two vectorised passes, faster than one mixed-type div
+    return x.to(dtype, copy=True).div_(255.0)
 
 
 def gather_frames(frames, i):
