@@ -661,6 +661,54 @@ class CrashReport:
             leave(1, True)
 
 
+def oom_advice(exc, device):
+    """One line for an out-of-memory error (None for other errors): what was in use, and the
+    flags that lower it."""
+    text = str(exc)
+    oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+    if not oom and "can't allocate memory" not in text:  # torch's CPU allocator
+        return None
+    used = f"{host_rss_gb():.1f} GiB host RSS"
+    if device is not None and device.type == "cuda":
+        used += f", {torch.cuda.memory_reserved(device) / 2**30:.1f} GiB GPU reserved"
+    return (
+        f"out of memory ({type(exc).__name__}: {one_line(exc, 120)}; {used}): use less with "
+        "--grad-accum K (micro-batches), fewer --local-num-envs, or a shorter --num-steps"
+    )
+
+
+class FailureBoard:
+    """A rank that crashes posts one line in the launcher's key-value store; a watcher thread on
+    every other rank sees it within a second, even while its main thread waits in a collective,
+    prints it and exits, instead of waiting --pg-timeout for a peer that is gone."""
+
+    def __init__(self, store, rank):
+        self.store, self.rank = store, rank
+        threading.Thread(target=self.watch, daemon=True).start()
+
+    def post(self, line):
+        try:
+            self.store.set("failed", f"rank {self.rank}: {line}")
+        except Exception:  # the store is gone too: the launcher will stop the others
+            pass
+
+    def posted(self):
+        """Another rank's failure line, if one was posted (None if none, or the store is gone)."""
+        try:
+            line = self.store.get("failed").decode() if self.store.check(["failed"]) else None
+        except Exception:
+            return None
+        return None if line is None or line.startswith(f"rank {self.rank}:") else line
+
+    def watch(self):
+        while True:
+            time.sleep(0.5)
+            line = self.posted()
+            if line is not None:
+                print(f"error [rank {self.rank}]: stopping, {line}", file=sys.stderr, flush=True)
+                os._exit(1)
+
+
 # ---- CHECKPOINTS: run name, atomic saves, pruning, resume, run time across restarts -----------
 # The flags that define the learning problem: a resume must keep them. World size, env backend,
 # --async-envs, threads, precision (--amp, --channels-last, --compile), --grad-accum, saving and
@@ -857,11 +905,8 @@ class Checkpointer:
             set_rng_state(ckpt["rng"][self.rank])
         self.elapsed_before = ckpt["elapsed"]
         if self.rank == 0:
-            rngs = (
-                ""
-                if same_world
-                else (f"; world size {ckpt['world_size']} -> {self.world_size}, RNGs not restored")
-            )
+            rngs = f"; world size {ckpt['world_size']} -> {self.world_size}, RNGs not restored"
+            rngs = "" if same_world else rngs
             print(
                 f"resumed {path}: iteration {ckpt['global_step'] // self.args.batch_size + 1}, "
                 f"global step {ckpt['global_step']}; environments start fresh{rngs}"
@@ -1129,27 +1174,18 @@ class RankEnvs:
             return (action, logprob, value), result
         # --async-envs: the first group's envs step while the policy acts for the second. Still
         # on-policy: every action comes from the same weights.
-        actions, logprobs, values = [], [], []
+        outs = []
         for env, g in zip(self.envs, self.groups):
             action, logprob, _, value = policy(obs[g.start : g.stop])
             env.step_async(action.cpu().numpy())
-            actions.append(action)
-            logprobs.append(logprob)
-            values.append(value)
+            outs.append((action, logprob, value))
         t = time.perf_counter()
         results = [env.step_wait() for env in self.envs]
         self.env_time += time.perf_counter() - t
-        next_obs, rewards, terms, truncs, infos = [], [], [], [], []
-        for o, r, term, trunc, info in results:
-            next_obs.append(o)
-            rewards.append(r)
-            terms.append(term)
-            truncs.append(trunc)
-            infos.append(info)
+        *arrays, infos = zip(*results)  # (obs, reward, terminated, truncated) per group, infos
+        env_out = tuple(np.concatenate(x) for x in arrays)
         merged = merge_infos(infos, [len(g) for g in self.groups])
-        policy_out = (torch.cat(actions), torch.cat(logprobs), torch.cat(values))
-        env_out = tuple(np.concatenate(x) for x in (next_obs, rewards, terms, truncs))
-        return policy_out, env_out + (merged,)
+        return tuple(torch.cat(x) for x in zip(*outs)), env_out + (merged,)
 
     def close(self):
         for env in self.envs:
@@ -1236,7 +1272,7 @@ def precision(args: Args, device):
     return autocast, scaler
 
 
-# ---- MONITORING: resources and time split per rank, load balance, progress line, failures -----
+# ---- MONITORING: resources and time split per rank, load balance, progress line ---------------
 def host_rss_gb():
     """This process's resident memory now (Linux), else its peak so far."""
     try:
@@ -1281,22 +1317,6 @@ def load_imbalance(busy_seconds):
     mean = sum(busy_seconds) / len(busy_seconds)
     slow = max(range(len(busy_seconds)), key=busy_seconds.__getitem__)
     return (busy_seconds[slow] / mean if mean > 0 else 1.0), slow
-
-
-def oom_advice(exc, device):
-    """One line for an out-of-memory error (None for other errors): what was in use, and the
-    flags that lower it."""
-    text = str(exc)
-    oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-    if not oom and "can't allocate memory" not in text:  # torch's CPU allocator
-        return None
-    used = f"{host_rss_gb():.1f} GiB host RSS"
-    if device is not None and device.type == "cuda":
-        used += f", {torch.cuda.memory_reserved(device) / 2**30:.1f} GiB GPU reserved"
-    return (
-        f"out of memory ({type(exc).__name__}: {one_line(exc, 120)}; {used}): use less with "
-        "--grad-accum K (micro-batches), fewer --local-num-envs, or a shorter --num-steps"
-    )
 
 
 class Progress:
@@ -1381,38 +1401,6 @@ class CollectiveClock:
 
 def clock(seconds):
     return str(datetime.timedelta(seconds=int(seconds)))
-
-
-class FailureBoard:
-    """A rank that crashes posts one line in the launcher's key-value store; a watcher thread on
-    every other rank sees it within a second, even while its main thread waits in a collective,
-    prints it and exits, instead of waiting --pg-timeout for a peer that is gone."""
-
-    def __init__(self, store, rank):
-        self.store, self.rank = store, rank
-        threading.Thread(target=self.watch, daemon=True).start()
-
-    def post(self, line):
-        try:
-            self.store.set("failed", f"rank {self.rank}: {line}")
-        except Exception:  # the store is gone too: the launcher will stop the others
-            pass
-
-    def posted(self):
-        """Another rank's failure line, if one was posted (None if none, or the store is gone)."""
-        try:
-            line = self.store.get("failed").decode() if self.store.check(["failed"]) else None
-        except Exception:
-            return None
-        return None if line is None or line.startswith(f"rank {self.rank}:") else line
-
-    def watch(self):
-        while True:
-            time.sleep(0.5)
-            line = self.posted()
-            if line is not None:
-                print(f"error [rank {self.rank}]: stopping, {line}", file=sys.stderr, flush=True)
-                os._exit(1)
 
 
 def log_perf(writer, reports, global_step):
