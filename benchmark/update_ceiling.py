@@ -7,6 +7,9 @@ For each layer of the trainer's Agent at one minibatch (channels-last, as the tr
 where the trainer needs one, weight gradient): the best this machine's matmul kernels (oneDNN,
 AMX for bf16 where present) do for exactly those shapes. The sum of (b) over layers is a floor
 for the update's arithmetic per minibatch; a square 2048 matmul gives the dtype's peak.
+(c) each convolution rebuilt from torch ops to reach (b): im2col patches (F.unfold), one matmul,
+backward by autograd (col2im), inputs and weights already in the dtype: what replacing oneDNN's
+convolution by matmuls costs when the patches must be made (fc: a matmul already, as in (a)).
 One more row per dtype: the four layers' forward alone (no gradient) at the rollout's batch (the
 envs per rank), as the policy runs them at every rollout step, back to back (warm caches): the
 rollout's arithmetic floor.
@@ -118,6 +121,23 @@ def gemm_fns(batch, dtype):
     return fns
 
 
+def im2col_fns(batch, dtype):
+    """(c): each conv as unfold + matmul in `dtype`, forward + backward (the input's gradient
+    where the trainer needs one, through fold)."""
+    fns = {}
+    for i, (name, cin, cout, k, s, side) in enumerate(CONVS):
+        x = torch.randn(batch, cin, side, side, dtype=dtype, requires_grad=i > 0)
+        w = torch.randn(cout, cin * k * k, dtype=dtype, requires_grad=True)
+        b, out = torch.randn(cout, 1, dtype=dtype, requires_grad=True), (side - k) // s + 1
+
+        def run(x=x, w=w, b=b, k=k, s=s, out=out):
+            y = w @ torch.nn.functional.unfold(x, k, stride=s) + b  # batch x cout x out²
+            y.view(batch, -1, out, out).float().sum().backward()
+
+        fns[name] = run
+    return fns
+
+
 def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -139,39 +159,41 @@ def main():
         f"AMX bf16 {'yes' if amx else 'no'}; medians of {a.repeats} interleaved repeats.",
         "",
         "| dtype | layer | GFLOP | as trained: fwd+bwd ms | GFLOP/s | as matmuls (floor) ms "
-        "| GFLOP/s |",
-        "|---|---|---|---|---|---|---|",
+        "| GFLOP/s | as im2col + matmul: fwd+bwd ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         layers, gemms = layer_fns(a.minibatch, dtype), gemm_fns(a.minibatch, dtype)
         sq = torch.randn(2048, 2048, dtype=dtype)
         fns = {("layer", k): f for k, f in layers.items()}
         fns.update({("gemm", k): f for k, f in gemms.items()})
+        fns.update({("im2col", k): f for k, f in im2col_fns(a.minibatch, dtype).items()})
         fns[("peak", "2048")] = lambda sq=sq: torch.mm(sq, sq)
         t = bench(fns, a.repeats)
-        total_l = total_g = 0.0
+        total_l = total_g = total_i = 0.0
         for name in layers:
             tl, tg, g = t[("layer", name)], t[("gemm", name)], flop[name] / 1e9
-            total_l, total_g = total_l + tl, total_g + tg
+            ti = t.get(("im2col", name), tl)  # fc: the trained layer is a matmul already
+            total_l, total_g, total_i = total_l + tl, total_g + tg, total_i + ti
             lines.append(
                 f"| {label} | {name} | {g:.2f} | {1e3 * tl:.1f} | {g / tl:.0f} "
-                f"| {1e3 * tg:.1f} | {g / tg:.0f} |"
+                f"| {1e3 * tg:.1f} | {g / tg:.0f} | {1e3 * ti:.1f} |"
             )
         g = sum(flop.values()) / 1e9
         lines.append(
             f"| {label} | **all layers** | {g:.2f} | **{1e3 * total_l:.1f}** | {g / total_l:.0f} "
-            f"| **{1e3 * total_g:.1f}** | {g / total_g:.0f} |"
+            f"| **{1e3 * total_g:.1f}** | {g / total_g:.0f} | **{1e3 * total_i:.1f}** |"
         )
         peak = 2 * 2048**3 / 1e9 / t[("peak", "2048")]
         lines.append(
-            f"| {label} | 2048² matmul (peak) | {2 * 2048**3 / 1e9:.1f} | | | | {peak:.0f} |"
+            f"| {label} | 2048² matmul (peak) | {2 * 2048**3 / 1e9:.1f} | | | | {peak:.0f} | |"
         )
         # back to back, not interleaved: the update-sized runs would evict its weights each time
         tr = bench({"rollout": rollout_fn(a.rollout_batch, dtype)}, 20 * a.repeats)["rollout"]
         g = a.rollout_batch * sum(2 * m * k * n for m, k, n in forward_shapes(1)) / 1e9
         lines.append(
             f"| {label} | rollout forward, batch {a.rollout_batch} (forward ms) | {g:.3f} "
-            f"| {1e3 * tr:.2f} | {g / tr:.0f} | | |"
+            f"| {1e3 * tr:.2f} | {g / tr:.0f} | | | |"
         )
     text = "\n".join(lines)
     print(text)

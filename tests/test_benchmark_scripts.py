@@ -103,6 +103,9 @@ def test_update_ceiling_table_has_every_layer_for_both_dtypes_and_the_gemm_shape
     for dtype in ("fp32", "bf16"):
         for layer in ("conv1", "conv2", "conv3", "fc", "**all layers**", "2048² matmul (peak)"):
             assert any(row.startswith(f"| {dtype} | {layer} |") for row in rows), (dtype, layer)
+        for layer in ("conv1", "conv2", "conv3", "fc"):  # (c): im2col + matmul, in ms
+            row = next(r for r in rows if r.startswith(f"| {dtype} | {layer} |"))
+            assert float(row.strip("| ").split(" | ")[7]) > 0, row
         # the rollout row: forward GFLOP of 3 samples = 3 x (conv1 + conv2 + conv3 + fc) MACs x 2
         macs = 400 * 256 * 32 + 81 * 512 * 64 + 49 * 576 * 64 + 3136 * 512
         row = f"| {dtype} | rollout forward, batch 3 (forward ms) | {3 * 2 * macs / 1e9:.3f} |"
