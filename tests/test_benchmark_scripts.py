@@ -117,3 +117,30 @@ def test_update_ceiling_table_has_every_layer_for_both_dtypes_and_the_gemm_shape
     shapes = gemm_shapes(1)
     assert shapes["conv1"] == [(400, 256, 32), (32, 400, 256)]  # 20x20 outputs, 4x8x8 patches
     assert shapes["fc"][0] == (1, 3136, 512) and len(shapes["conv2"]) == 3
+
+
+def test_update_parts_table_splits_the_trainers_step_and_reads_onednn_times(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmark/update_parts.py"),
+            *("--minibatch", "2", "--repeats", "1", "--out", str(tmp_path / "t.md")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [r.strip("| ").split(" | ") for r in (tmp_path / "t.md").read_text().splitlines()]
+    for dtype in ("fp32", "bf16"):
+        ms = {
+            part: float(v.strip("*"))
+            for d, part, v in (r for r in rows if len(r) == 3)
+            if d == dtype
+        }
+        step = [
+            v for k, v in ms.items() if k.startswith(("minibatch_gradient", "clip", "Adam, fore"))
+        ]
+        assert len(step) == 3 and len(ms) == 7, ms
+        assert abs(ms["**the trainer's step: gradient + clip + Adam**"] - sum(step)) < 0.02
+        assert ms["oneDNN primitives inside it (convolutions; in bf16 also fc)"] > 0  # parsed
