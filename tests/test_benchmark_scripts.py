@@ -86,7 +86,7 @@ def test_slurm_script_passes_the_warning_signal_on_and_requeues(tmp_path):
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77"]
 
 
-def test_update_ceiling_table_has_every_layer_for_both_dtypes_and_the_gemm_shapes_add_up(tmp_path):
+def test_update_ceiling_tables_have_every_layer_and_part_and_the_gemm_shapes_add_up(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
@@ -110,6 +110,16 @@ def test_update_ceiling_table_has_every_layer_for_both_dtypes_and_the_gemm_shape
         macs = 400 * 256 * 32 + 81 * 512 * 64 + 49 * 576 * 64 + 3136 * 512
         row = f"| {dtype} | rollout forward, batch 3 (forward ms) | {3 * 2 * macs / 1e9:.3f} |"
         assert any(r.startswith(row) for r in rows), (dtype, row)
+    # the second table: the trainer's step split into its parts, oneDNN's times read from its log
+    cells = [r.strip("| ").split(" | ") for r in rows]
+    for dtype in ("fp32", "bf16"):
+        ms = {c[1]: float(c[2].strip("*")) for c in cells if len(c) == 3 and c[0] == dtype}
+        step = [
+            v for k, v in ms.items() if k.startswith(("minibatch_gradient", "clip", "Adam, fore"))
+        ]
+        assert len(step) == 3 and len(ms) == 7, ms
+        assert abs(ms["**the trainer's step: gradient + clip + Adam**"] - sum(step)) < 0.02
+        assert ms["oneDNN primitives inside it (convolutions; in bf16 also fc)"] > 0  # parsed
     # the matmul shapes carry the layers' arithmetic: 2 x (M K N) per product, as counted by hand
     sys.path.insert(0, str(ROOT / "benchmark"))
     from update_ceiling import gemm_shapes
@@ -117,30 +127,3 @@ def test_update_ceiling_table_has_every_layer_for_both_dtypes_and_the_gemm_shape
     shapes = gemm_shapes(1)
     assert shapes["conv1"] == [(400, 256, 32), (32, 400, 256)]  # 20x20 outputs, 4x8x8 patches
     assert shapes["fc"][0] == (1, 3136, 512) and len(shapes["conv2"]) == 3
-
-
-def test_update_parts_table_splits_the_trainers_step_and_reads_onednn_times(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmark/update_parts.py"),
-            *("--minibatch", "2", "--repeats", "1", "--out", str(tmp_path / "t.md")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [r.strip("| ").split(" | ") for r in (tmp_path / "t.md").read_text().splitlines()]
-    for dtype in ("fp32", "bf16"):
-        ms = {
-            part: float(v.strip("*"))
-            for d, part, v in (r for r in rows if len(r) == 3)
-            if d == dtype
-        }
-        step = [
-            v for k, v in ms.items() if k.startswith(("minibatch_gradient", "clip", "Adam, fore"))
-        ]
-        assert len(step) == 3 and len(ms) == 7, ms
-        assert abs(ms["**the trainer's step: gradient + clip + Adam**"] - sum(step)) < 0.02
-        assert ms["oneDNN primitives inside it (convolutions; in bf16 also fc)"] > 0  # parsed
