@@ -204,14 +204,7 @@ def parts(mod, dtype, minibatch, repeats):
         "frames alone: gather + convert": convert,
         "Adam, fused (not used: rounds differently)": fused.step,
     }
-    times = {k: [] for k in fns}
-    for r in range(repeats + 3):  # 3 warm-up rounds: kernel choice, allocator
-        for k, f in fns.items():
-            t = time.perf_counter()
-            f()
-            if r >= 3:
-                times[k].append(time.perf_counter() - t)
-    out = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    out = {k: 1e3 * seconds for k, seconds in bench(fns, repeats).items()}
     out["oneDNN primitives inside it (convolutions; in bf16 also fc)"] = float(
         np.median([onednn_ms(gradient) for _ in range(max(3, repeats // 5))])
     )
