@@ -6,7 +6,7 @@
 # the same step and the weights stay bit-identical across ranks.
 #
 # Layout: the CORE is CleanRL's PPO in CleanRL's order (Args, make_env, Agent, GAE, loss, the
-# flat-gradient all-reduce). The EXTRAS follow, one labelled block each (FLAGS, LAUNCH,
+# flat-gradient all-reduce). The EXTRAS follow, one labelled block each (FLAGS, LAUNCH, FAILURES,
 # CHECKPOINTS, PREEMPTION, EVALUATION, ENV BACKENDS, FAST PATH AND MIXED PRECISION, MONITORING,
 # RUN-TIME CHECKS). MAIN runs setup, rollout, GAE, update and logging, calling each extra in a
 # line or two.
@@ -528,7 +528,7 @@ def check_launch(env):
             )
 
 
-# ---- LAUNCH: device and backend, process group, errors on every rank --------------------------
+# ---- LAUNCH: device and backend, process group, the same flags on every rank -----------------
 def choose_device(args: Args, rank, local_rank, world_size, local_world_size, num_gpus):
     """This rank's device and the collective backend. It reads only flags and the launch layout
     (alike on every node), so every rank reaches the same verdict; a combination that cannot
@@ -611,6 +611,7 @@ def check_same_flags(args: Args, world_size):
         raise ValueError(f"ranks were launched with different flags: {'; '.join(differ)}")
 
 
+# ---- FAILURES: one line naming the rank and the cause, peers stopped at once -----------------
 def leave(code, distributed):
     """Exit, flushing logs first. Distributed ranks leave with os._exit: gloo's C++ threads can
     abort interpreter finalization (SIGABRT) even after destroy_process_group."""
@@ -620,6 +621,10 @@ def leave(code, distributed):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def one_line(exc, limit):
+    return " ".join(str(exc).split())[:limit]
 
 
 def fail(msg, rank, world_size):
@@ -792,10 +797,6 @@ def save_checkpoint(ckpt, ckpt_dir, keep):
 def latest_checkpoint(ckpt_dir):
     found = checkpoint_files(ckpt_dir)
     return found[-1] if found else None
-
-
-def one_line(exc, limit):
-    return " ".join(str(exc).split())[:limit]
 
 
 def load_checkpoint(path, num_actions):
