@@ -1542,7 +1542,7 @@ if __name__ == "__main__":
         nn.utils.vector_to_parameters(flat_params, agent.parameters())
     agent = speed_up(agent, args)
     autocast, scaler = precision(args, device)
-    # foreach: one kernel per op over all tensors, bit-identical to the per-tensor loop that torch
+    # foreach: one call per op over all tensors, bit-identical to the per-tensor loop that torch
     # picks by default on CPU, and faster there (CUDA already defaults to it). Not fused: it rounds
     # differently, and a default may only change speed, not numbers
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
