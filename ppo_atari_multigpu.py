@@ -1273,6 +1273,24 @@ def precision(args: Args, device):
     return autocast, scaler
 
 
+def slow_bf16_warning(args: Args, device):
+    """A line for --amp bf16 on a CPU without bf16 instructions (avx512_bf16, AMX) that oneDNN
+    may use: torch then emulates bf16, several times slower than fp32. Warned, not refused: the
+    numbers are still right. None where bf16 is native (or not asked for)."""
+    if args.amp != "bf16" or device.type != "cpu":
+        return None
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    capped = isa not in ("ALL", "DEFAULT") and not any(s in isa for s in ("BF16", "AMX"))
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if native and not capped and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return (
+        "warning: --amp bf16 on a CPU without native bf16 for oneDNN (cpu capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, ONEDNN_MAX_CPU_ISA={isa}): bf16 is emulated "
+        "here and usually several times slower than the default fp32"
+    )
+
+
 # ---- MONITORING: resources and time split per rank, load balance, progress line ---------------
 def host_rss_gb():
     """This process's resident memory now (Linux), else its peak so far."""
@@ -1513,6 +1531,8 @@ if __name__ == "__main__":
             f"minibatch_size {args.minibatch_size} | grad_accum {args.grad_accum} | "
             f"num_iterations {args.num_iterations}"
         )
+        if warning := slow_bf16_warning(args, device):
+            print(warning)
         if args.track:
             import wandb
 
