@@ -113,3 +113,30 @@ def test_sizes_computed_at_run_time_are_not_flags(flag):
     )
     assert out.returncode == 2
     assert "Unrecognized options" in out.stderr and flag in out.stderr
+
+
+@pytest.mark.parametrize("isa", ["AVX2", "avx512_core"])
+def test_amp_bf16_warns_where_onednn_may_not_use_bf16_instructions(monkeypatch, isa):
+    # the cap is a setting the code reads, so the verdict does not depend on this machine's CPU
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    line = ppo.slow_bf16_warning(ppo.Args(amp="bf16"), torch.device("cpu"))
+    assert line.startswith("warning: --amp bf16") and f"ONEDNN_MAX_CPU_ISA={isa.upper()}" in line
+
+
+def test_amp_bf16_warns_on_a_cpu_without_bf16_instructions(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert "emulated" in ppo.slow_bf16_warning(ppo.Args(amp="bf16"), torch.device("cpu"))
+
+
+def test_no_bf16_warning_without_bf16_on_the_cpu_or_where_it_is_native(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    for amp in ("none", "fp16"):
+        assert ppo.slow_bf16_warning(ppo.Args(amp=amp), torch.device("cpu")) is None
+    assert ppo.slow_bf16_warning(ppo.Args(amp="bf16"), torch.device("cuda", 0)) is None
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # native bf16 on every count
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert ppo.slow_bf16_warning(ppo.Args(amp="bf16"), torch.device("cpu")) is None
