@@ -1,12 +1,13 @@
 """What the update's arithmetic costs on this CPU, per layer, for fp32 and bf16:
     python benchmark/update_ceiling.py [--minibatch 128] [--rollout-batch 4] [--threads 1]
-        [--out FILE]
+        [--peak-size 2048] [--out FILE]
 For each layer of the trainer's Agent at one minibatch (channels-last, as the trainer runs it):
 (a) the layer's forward + backward as torch runs it (autocast for bf16, as --amp bf16), and
 (b) the same arithmetic as plain matrix products of the im2col shapes (forward, input gradient
 where the trainer needs one, weight gradient): the best this machine's matmul kernels (oneDNN,
 AMX for bf16 where present) do for exactly those shapes. The sum of (b) over layers is a floor
-for the update's arithmetic per minibatch; a square 2048 matmul gives the dtype's peak.
+for the update's arithmetic per minibatch; a square 2048 (--peak-size) matmul gives the dtype's
+peak.
 (c) each convolution rebuilt from torch ops to reach (b): im2col patches (F.unfold), one matmul,
 backward by autograd (col2im), inputs and weights already in the dtype: what replacing oneDNN's
 convolution by matmuls costs when the patches must be made (fc: a matmul already, as in (a)).
@@ -20,7 +21,9 @@ backward), clip_grad_norm_, Adam (foreach, as the trainer); beside them the fram
 conversion alone, the time oneDNN's primitives report for one minibatch_gradient under
 ONEDNN_VERBOSE (the convolutions with their reorders; in bf16 also the fc's matmuls, which fp32
 leaves to MKL), so that the rest of it is torch's own work (casts, element-wise ops, autograd),
-and fused Adam, which the trainer does not use (it rounds differently)."""
+and fused Adam, which the trainer does not use (it rounds differently). Where oneDNN ran no
+primitive (bf16 on a CPU without bf16 instructions, e.g. AVX2 only) that row says "not used on
+this CPU" instead of a time."""
 
 import argparse
 import contextlib
@@ -34,6 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from throughput import load_trainer  # this folder: the trainer loaded as a module
+
+ONEDNN_PART = "oneDNN primitives inside it (convolutions; in bf16 also fc)"
+NOT_USED = "not used on this CPU"  # that row where oneDNN ran nothing (bf16 on AVX2: torch's own)
 
 # (name, in channels, out channels, kernel, stride, input side) of the Agent's trunk; fc last
 CONVS = [("conv1", 4, 32, 8, 4, 84), ("conv2", 32, 64, 4, 2, 20), ("conv3", 64, 64, 3, 1, 9)]
@@ -150,9 +156,25 @@ def im2col_fns(batch, dtype):
     return fns
 
 
+def onednn_exec_ms(lines):
+    """The sum of the execution times (ms, the last field) of the primitive `exec` lines in
+    ONEDNN_VERBOSE output; None when there is none: oneDNN ran nothing (torch sends bf16
+    convolutions to oneDNN only where the CPU has bf16 instructions). Skipped: info lines,
+    primitive creation (`create:cache_miss`, its last field a creation time), graph lines."""
+    total, ran = 0.0, False
+    for line in lines:
+        fields = line.strip().split(",")
+        if fields[0] != "onednn_verbose" or "graph" in fields[1:4]:
+            continue
+        if "exec" in fields[1:5]:  # v1 format: onednn_verbose,v1,[timestamp,]primitive,exec,...
+            total, ran = total + float(fields[-1]), True
+    return total if ran else None
+
+
 def onednn_ms(fn):
-    """Run fn once with oneDNN's verbose mode on; the sum of the execution times it reports (ms).
-    oneDNN prints from C, so stdout's file descriptor goes to a temp file meanwhile."""
+    """Run fn once with oneDNN's verbose mode on: onednn_exec_ms of what it prints (None: oneDNN
+    ran nothing). oneDNN prints from C, so stdout's file descriptor goes to a temp file
+    meanwhile."""
     sys.stdout.flush()
     saved = os.dup(1)
     with tempfile.TemporaryFile(mode="w+") as f:
@@ -164,8 +186,7 @@ def onednn_ms(fn):
             os.dup2(saved, 1)
             os.close(saved)
         f.seek(0)
-        lines = [line.split(",") for line in f if line.startswith("onednn_verbose")]
-    return sum(float(fields[-1]) for fields in lines if "exec" in fields)
+        return onednn_exec_ms(f)
 
 
 def parts(mod, dtype, minibatch, repeats):
@@ -205,9 +226,9 @@ def parts(mod, dtype, minibatch, repeats):
         "Adam, fused (not used: rounds differently)": fused.step,
     }
     out = {k: 1e3 * seconds for k, seconds in bench(fns, repeats).items()}
-    out["oneDNN primitives inside it (convolutions; in bf16 also fc)"] = float(
-        np.median([onednn_ms(gradient) for _ in range(max(3, repeats // 5))])
-    )
+    runs = [onednn_ms(gradient) for _ in range(max(3, repeats // 5))]
+    ran = [ms for ms in runs if ms is not None]
+    out[ONEDNN_PART] = float(np.median(ran)) if ran else None  # None: oneDNN ran nothing
     return out
 
 
@@ -219,6 +240,9 @@ def main():
     p.add_argument("--rollout-batch", type=int, default=4, help="envs per rank (rollout batch)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer: 1 per rank)")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument(
+        "--peak-size", type=int, default=2048, help="side of the square matmul giving the peak"
+    )
     p.add_argument("--out", type=Path, help="also write the table to this file")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -237,11 +261,12 @@ def main():
     ]
     for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         layers, gemms = layer_fns(a.minibatch, dtype), gemm_fns(a.minibatch, dtype)
-        sq = torch.randn(2048, 2048, dtype=dtype)
+        n = a.peak_size  # bf16 without bf16 instructions (AVX2): 2048 takes ~45 s per product
+        sq = torch.randn(n, n, dtype=dtype)
         fns = {("layer", k): f for k, f in layers.items()}
         fns.update({("gemm", k): f for k, f in gemms.items()})
         fns.update({("im2col", k): f for k, f in im2col_fns(a.minibatch, dtype).items()})
-        fns[("peak", "2048")] = lambda sq=sq: torch.mm(sq, sq)
+        fns[("peak", n)] = lambda sq=sq: torch.mm(sq, sq)
         t = bench(fns, a.repeats)
         total_l = total_g = total_i = 0.0
         for name in layers:
@@ -257,9 +282,9 @@ def main():
             f"| {label} | **all layers** | {g:.2f} | **{1e3 * total_l:.1f}** | {g / total_l:.0f} "
             f"| **{1e3 * total_g:.1f}** | {g / total_g:.0f} | **{1e3 * total_i:.1f}** |"
         )
-        peak = 2 * 2048**3 / 1e9 / t[("peak", "2048")]
+        peak = 2 * n**3 / 1e9 / t[("peak", n)]
         lines.append(
-            f"| {label} | 2048² matmul (peak) | {2 * 2048**3 / 1e9:.1f} | | | | {peak:.0f} | |"
+            f"| {label} | {n}² matmul (peak) | {2 * n**3 / 1e9:.1f} | | | | {peak:.0f} | |"
         )
         # back to back, not interleaved: the update-sized runs would evict its weights each time
         tr = bench({"rollout": rollout_fn(a.rollout_batch, dtype)}, 20 * a.repeats)["rollout"]
@@ -282,7 +307,9 @@ def main():
         ms = parts(mod, dtype, a.minibatch, a.repeats)
         step = ["minibatch_gradient", "clip_grad_norm_", "Adam, foreach"]
         total = sum(v for k, v in ms.items() if any(k.startswith(s) for s in step))
-        lines += [f"| {dtype} | {k} | {v:.2f} |" for k, v in ms.items()]
+        lines += [
+            f"| {dtype} | {k} | {NOT_USED if v is None else f'{v:.2f}'} |" for k, v in ms.items()
+        ]
         lines.append(
             f"| {dtype} | **the trainer's step: gradient + clip + Adam** | **{total:.2f}** |"
         )

@@ -16,6 +16,11 @@ TINY = (
     "--print-every 0"  # a progress line every iteration: tests read them
 ).split()
 
+# A failure must stop every rank at once instead of leaving a peer waiting in a collective until
+# --pg-timeout. The runs that check it set this timeout and must end within half of it: how long
+# they take otherwise depends on the machine, but no slow machine waits for the timeout.
+PG_TIMEOUT = 600
+
 
 def torchrun(nproc, *torchrun_flags, script=SCRIPT):
     """The command that starts `script` under torchrun on this machine with nproc ranks."""
@@ -51,6 +56,17 @@ def run_trainer(tmp_path):
         )
 
     return run
+
+
+def assert_equal_to_rounding(actual, expected, rel=1e-5):
+    """actual equals expected up to the rounding of float sums taken in another order (other
+    kernels; the order also depends on the ISA and the thread count): every entry within rel x
+    the largest |expected|, since a sum's rounding error scales with the terms summed, not with
+    the result. A wrong value, or one not averaged over the ranks, is off by about its own size."""
+    import torch
+
+    atol = rel * expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=atol)
 
 
 def scalar_tags(run_dir):

@@ -1,5 +1,6 @@
 """Checkpoints, resume, restarts after a killed rank, timeouts, determinism and evaluation."""
 
+import contextlib
 import glob
 import os
 import random
@@ -302,7 +303,7 @@ def workers(launcher_pid):
 
 def launch(tmp_path, torchrun_flags, *flags):
     log = open(tmp_path / "stderr.log", "w")
-    cmd = [*torchrun(2, *torchrun_flags), *TINY, *flags]
+    cmd = [*torchrun(2, *torchrun_flags), *TINY, *map(str, flags)]
     return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=log, text=True)
 
 
@@ -351,24 +352,27 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_resumes_to_the_request
 
 
 def test_a_hung_rank_makes_its_peer_fail_within_the_timeout(tmp_path):
+    timeout = 10  # --pg-timeout, far below the trainer's default (600 s) and gloo's (1800 s)
     proc = launch(
-        tmp_path, [], "--total-timesteps", "1000000", "--pg-timeout", "10", "--save-interval", "0"
+        tmp_path, [], "--total-timesteps", "1000000", "--pg-timeout", timeout, "--save-interval", 0
     )
     hung = None
     try:
-        wait_for(
-            lambda: glob.glob(str(tmp_path / "runs/*/events*")), 120, "training to start", proc
-        )
-        time.sleep(3)  # both ranks are in the training loop now
+        lines = [proc.stdout.readline()]
+        while not lines[-1].startswith("iter 1/"):  # both ranks passed an iteration's collectives
+            assert lines[-1], "".join(lines) + (tmp_path / "stderr.log").read_text()[-2000:]
+            lines.append(proc.stdout.readline())
         hung = workers(proc.pid)[1]
         os.kill(hung, signal.SIGSTOP)
         stopped = time.time()
         wait_for(
             lambda: "stopped responding" in (tmp_path / "stderr.log").read_text(),
-            90,
+            6 * timeout + 30,
             "rank 0's error",
         )
-        assert time.time() - stopped < 10 + 30
+        # the timeout, plus what is left of rank 0's iteration before its next collective and the
+        # error's own time: a generous margin on a slow machine, still far below the defaults
+        assert time.time() - stopped < 6 * timeout
     finally:
         if hung:
             os.kill(hung, signal.SIGCONT)
@@ -552,11 +556,21 @@ def test_preempted_run_checkpoints_and_the_same_command_finishes_it(tmp_path):
     assert steps == list(range(128, 2561, 128))  # exactly the requested steps, none twice
 
 
+def pending_signals(pid):
+    """Signals sent to pid and not delivered yet: a stopped process keeps them pending."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    mask = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return {sig for sig in signal.Signals if mask >> (sig - 1) & 1}
+
+
 def test_a_node_joining_an_elastic_job_continues_the_run_at_the_new_world_size(tmp_path):
     # torchrun --nnodes=1:2 on loopback: the first agent trains alone; when the second joins,
     # torchrun stops the worker (SIGTERM: it saves), re-forms the group with 2 ranks, and the run
     # goes on from that checkpoint with the same global batch (--num-envs). torch 2.13 needs the
     # rendezvous TCPStore unshared for a scale-up (README "Long runs and failures").
+    # No race with the first node finishing alone: its worker is paused (SIGSTOP) after its first
+    # checkpoint until its agent, seeing the second node, has sent it the SIGTERM (pending in the
+    # stopped process); then it goes on, handles it and saves.
     port = free_port()
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONUNBUFFERED="1")
     torchrun = (
@@ -566,20 +580,32 @@ def test_a_node_joining_an_elastic_job_continues_the_run_at_the_new_world_size(t
     )
     flags = (
         "--no-cuda --num-envs 2 --num-steps 16 --update-epochs 1 --num-minibatches 2 "
-        "--total-timesteps 1600 --save-interval 1 --resume auto --eval-episodes 0 --pg-timeout 60"
+        "--total-timesteps 640 --save-interval 1 --resume auto --eval-episodes 0 --pg-timeout 60"
     )
     cmd = [sys.executable, *torchrun.split(), str(SCRIPT), *flags.split()]
     logs = [open(tmp_path / f"agent{i}.log", "w") for i in (0, 1)]
     first = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=logs[0], stderr=subprocess.STDOUT)
-    second = None
+    second = paused = None
     try:
         ckpts = str(tmp_path / "runs/*/checkpoints/ckpt_*.pt")
         wait_for(lambda: glob.glob(ckpts), 120, "the first node's checkpoint", first)
+        paused = workers(first.pid)[0]
+        os.kill(paused, signal.SIGSTOP)
         second = subprocess.Popen(
             cmd, cwd=tmp_path, env=env, stdout=logs[1], stderr=subprocess.STDOUT
         )
+        wait_for(
+            lambda: signal.SIGTERM in pending_signals(paused),
+            120,
+            "the first agent to stop its worker for the joining node",
+            first,
+        )
+        os.kill(paused, signal.SIGCONT)
         codes = [first.wait(timeout=300), second.wait(timeout=60)]
     finally:
+        if paused is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(paused, signal.SIGCONT)
         for proc in (first, second):
             if proc is not None:
                 proc.kill()
@@ -589,4 +615,4 @@ def test_a_node_joining_an_elastic_job_continues_the_run_at_the_new_world_size(t
     run_dirs = glob.glob(str(tmp_path / "runs/*"))
     assert len(run_dirs) == 1
     steps = [s for s, _ in scalar_tags(run_dirs[0])["charts/SPS"]]
-    assert steps == list(range(32, 1601, 32))  # exactly the requested steps, none twice
+    assert steps == list(range(32, 641, 32))  # exactly the requested steps, none twice

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from conftest import assert_equal_to_rounding
 
 import ppo_atari_multigpu as ppo
 
@@ -92,15 +93,15 @@ def two_ranks(tmp_path_factory):
 def test_allreduced_gradient_equals_single_process_gradient(tmp_path_factory):
     r0, r1 = two_ranks(tmp_path_factory)
     assert r0["dist"].abs().sum() > 0
-    torch.testing.assert_close(r0["dist"], r0["single"], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(r0["dist_stats"], r0["single_stats"], rtol=1e-5, atol=1e-7)
+    assert_equal_to_rounding(r0["dist"], r0["single"])  # measured: ~2.5e-7 x the largest entry
+    assert_equal_to_rounding(r0["dist_stats"], r0["single_stats"])
     assert torch.equal(r0["dist"], r1["dist"])  # every rank holds the very same average
 
 
 def test_grad_accum_gradient_equals_one_micro_batch_gradient(tmp_path_factory):
     r0, r1 = two_ranks(tmp_path_factory)
-    torch.testing.assert_close(r0["accum"], r0["dist"], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(r1["accum"], r1["dist"], rtol=1e-5, atol=1e-7)
+    assert_equal_to_rounding(r0["accum"], r0["dist"])
+    assert_equal_to_rounding(r1["accum"], r1["dist"])
 
 
 def test_parameters_stay_bit_identical_across_ranks_after_updates(tmp_path_factory):

@@ -4,7 +4,7 @@ import subprocess
 import time
 
 import torch
-from conftest import SCRIPT, TINY, torchrun
+from conftest import PG_TIMEOUT, SCRIPT, TINY, torchrun
 
 import ppo_atari_multigpu as ppo
 
@@ -50,15 +50,20 @@ def test_progress_lines_come_every_print_every_seconds_and_at_the_first_and_last
     )
 
 
-def test_collective_clock_sums_only_the_timed_blocks_and_restarts_after_each_read():
+def test_collective_clock_sums_only_the_timed_blocks_and_restarts_after_each_read(monkeypatch):
+    clock = [100.0]  # the host clock it reads on CPU, advanced by hand: no real waiting
+    monkeypatch.setattr(ppo.time, "perf_counter", lambda: clock[0])
     timer = ppo.CollectiveClock(torch.device("cpu"))
-    for _ in range(2):
+    for inside in (0.25, 0.5):
         with timer:
-            time.sleep(0.02)
-        time.sleep(1.0)  # outside the blocks: not counted
-    first = timer.read()
-    assert 0.04 <= first < 2.0  # counting the untimed sleeps too would give >= 2.04 s
-    assert timer.read() == 0.0
+            clock[0] += inside
+        clock[0] += 8.0  # outside the blocks: not counted
+    assert timer.read() == 0.75
+    clock[0] += 1.0
+    assert timer.read() == 0.0  # the read restarted the sum
+    with timer:
+        clock[0] += 2.0
+    assert timer.read() == 2.0
 
 
 def test_out_of_memory_errors_get_one_line_of_advice_and_others_none():
@@ -75,7 +80,9 @@ def test_out_of_memory_errors_get_one_line_of_advice_and_others_none():
     assert ppo.oom_advice(RuntimeError("shape mismatch"), cpu) is None
 
 
-def test_an_out_of_memory_rank_stops_every_rank_with_the_advice_within_a_minute(tmp_path):
+def test_an_out_of_memory_rank_stops_every_rank_with_the_advice_long_before_the_timeout(
+    tmp_path,
+):
     # Rank 1 runs out of memory in a convolution during its third iteration, while rank 0 waits
     # in a collective: both must stop with the advice, long before --pg-timeout.
     runner = tmp_path / "oom_runner.py"
@@ -92,9 +99,10 @@ def test_an_out_of_memory_rank_stops_every_rank_with_the_advice_within_a_minute(
         f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
     )
     cmd = [*torchrun(2, script=runner), *TINY, "--total-timesteps", "1280", "--eval-episodes", "0"]
+    cmd += ["--pg-timeout", str(PG_TIMEOUT)]
     start = time.time()
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and time.time() - start < 60
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=PG_TIMEOUT)
+    assert out.returncode != 0 and time.time() - start < PG_TIMEOUT / 2
     assert "error [rank 1]: out of memory (OutOfMemoryError: CUDA out of memory." in out.stderr
     assert "error [rank 0]: stopping, rank 1: out of memory" in out.stderr
     assert out.stderr.count("--grad-accum K") == 2
