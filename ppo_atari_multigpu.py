@@ -11,9 +11,11 @@
 # RUN-TIME CHECKS). MAIN runs setup, rollout, GAE, update and logging, calling each extra in a
 # line or two.
 import atexit
+import contextlib
 import ctypes
 import datetime
 import difflib
+import fcntl
 import glob
 import hashlib
 import json
@@ -21,7 +23,9 @@ import math
 import os
 import random
 import resource
+import shlex
 import signal
+import socket
 import sys
 import threading
 import time
@@ -484,7 +488,8 @@ def check_env_id(env_id: str):
 
 
 def check_args(args: Args, world_size: int):
-    """Resolve the sizes and refuse bad input with one ValueError, identically on every rank."""
+    """Resolve the sizes and refuse bad input with one ValueError, identically on every rank.
+    Returns a warning line for each flag given that has no effect here."""
     resolve_sizes(args, world_size)
     check_env_id(args.env_id)
     if args.async_envs and args.local_num_envs < 2:
@@ -496,18 +501,32 @@ def check_args(args: Args, world_size: int):
         raise ValueError("--capture-video records through gymnasium: use --env-backend sync")
     if args.eval_checkpoint and args.eval_episodes < 1:
         raise ValueError(f"--eval-checkpoint needs --eval-episodes >= 1, got {args.eval_episodes}")
-    for name, low in (
-        ("keep_checkpoints", 1),
-        ("save_interval", 0),
-        ("save_minutes", 0),
-        ("eval_episodes", 0),
-        ("threads", 1),
+    # every other numeric flag's range (the sizes are resolve_sizes'); NaN and inf fail each test
+    for need, ok, names in (
+        ("in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda"),
+        ("> 0", lambda v: 0 < v < math.inf, "learning_rate clip_coef vf_coef max_grad_norm"),
+        ("> 0", lambda v: 0 < v < math.inf, "target_kl pg_timeout"),
+        (">= 0", lambda v: 0 <= v < math.inf, "ent_coef save_interval save_minutes eval_episodes"),
+        (">= 0", lambda v: 0 <= v < math.inf, "print_every"),
+        (">= 1", lambda v: v >= 1, "keep_checkpoints threads"),
+        ("in [0, 2**31)", lambda v: 0 <= v < 2**31, "seed"),  # + rank: numpy takes < 2**32
     ):
-        value = getattr(args, name)
-        if value is not None and value < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-    if args.pg_timeout <= 0:
-        raise ValueError(f"--pg-timeout must be > 0 seconds, got {args.pg_timeout:g}")
+        for name in names.split():
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"--{name.replace('_', '-')} must be {need}, got {value}")
+    idle = (
+        ("device_ids", not args.cuda, "with --no-cuda"),
+        ("backend", world_size == 1, "in a single process"),
+        ("pg_timeout", world_size == 1, "in a single process"),
+        ("wandb_project_name", not args.track, "without --track"),
+        ("wandb_entity", not args.track, "without --track"),
+    )
+    return [
+        f"warning: --{name.replace('_', '-')} has no effect {why}"
+        for name, off, why in idle
+        if off and getattr(args, name) != getattr(Args, name)
+    ]
 
 
 def check_launch(env):
@@ -782,15 +801,20 @@ def save_checkpoint(ckpt, ckpt_dir, keep):
         os.remove(stale)
     path = os.path.join(ckpt_dir, f"ckpt_{ckpt['global_step']:012d}.pt")
     with open(path + ".tmp", "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError:  # a full disk (ENOSPC) or an I/O error (EIO): leave no partial file
+            os.remove(f.name)
+            raise
     os.replace(path + ".tmp", path)
     dir_fd = os.open(ckpt_dir, os.O_RDONLY)  # make the rename itself durable
     os.fsync(dir_fd)
     os.close(dir_fd)
     for old in checkpoint_files(ckpt_dir)[:-keep]:
-        os.remove(old)
+        if old != path:  # after a resume past a skipped bad file, the new one may sort lower
+            os.remove(old)
     return path
 
 
@@ -858,8 +882,27 @@ class Checkpointer:
     def __init__(self, args: Args, run_name, rank, world_size, device):
         self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
         self.rank, self.world_size, self.cuda = rank, world_size, device.type == "cuda"
-        self.elapsed_before = 0.0
+        self.elapsed_before, self.save_error, self.lock = 0.0, None, None
         self.start = self.last_save = time.time()
+
+    def claim(self):
+        """Rank 0 locks runs/<run_name>/lock (the kernel drops it when the process ends, however)
+        and so checks that the run directory can be written; the verdict stops every rank."""
+        error, lock = None, f"runs/{self.run_name}/lock"
+        if self.rank == 0:
+            try:
+                os.makedirs(self.dir, exist_ok=True)
+                self.lock = open(lock, "a+")  # a+: the holder's line stays until we hold the lock
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.lock.truncate(0)
+                print(f"host {socket.gethostname()}, pid {os.getpid()}", file=self.lock, flush=True)
+            except BlockingIOError:  # another process holds it
+                holder = open(lock).read().strip() or "another process"
+                error = f"run {self.run_name} is already running ({holder} holds {lock})"
+            except OSError as e:
+                error = f"cannot write the run directory runs/{self.run_name}: {one_line(e, 160)}"
+        if error := broadcast_object(error, self.world_size > 1):
+            fail(error, self.rank, self.world_size)
 
     def elapsed(self):
         return self.elapsed_before + time.time() - self.start
@@ -867,19 +910,26 @@ class Checkpointer:
     def resume(self, agent, optimizer, scaler):
         """Load --resume into the (already built) agent, optimizer and scaler on every rank;
         return the global step to continue from (0: a fresh start). Rank 0 reads the file and
-        broadcasts it, so nodes need no shared disk; a bad file stops every rank; a finished
-        run ends here with exit code 0."""
+        broadcasts it, so nodes need no shared disk; a bad file stops every rank (with auto: when
+        no older one loads either); a finished run ends here with exit code 0."""
         self.start = self.last_save = time.time()  # training time starts here, not at env setup
         if not self.args.resume:
             return 0
-        ckpt, error, path = None, None, None
+        ckpt, error, path, auto = None, None, None, self.args.resume == "auto"
         if self.rank == 0:
-            path = latest_checkpoint(self.dir) if self.args.resume == "auto" else self.args.resume
-            try:
-                ckpt = load_checkpoint(path, agent.actor.out_features) if path else None
-                error = resume_problem(ckpt, path, self.args) if ckpt else None
-            except ValueError as e:
-                error = str(e)
+            tried = []
+            for path in reversed(checkpoint_files(self.dir)) if auto else [self.args.resume]:
+                try:
+                    ckpt = load_checkpoint(path, agent.actor.out_features)
+                    error = resume_problem(ckpt, path, self.args)
+                except ValueError as e:
+                    ckpt, error = None, str(e)
+                if error is None or not auto:
+                    break
+                print(f"warning: skipped {error}", flush=True)
+                tried.append(os.path.basename(path))
+            if tried and error:
+                error = f"no checkpoint in {self.dir} loads (tried {', '.join(tried)})"
         ckpt, error, path = broadcast_object((ckpt, error, path), self.world_size > 1)
         if error is not None:
             fail(error, self.rank, self.world_size)
@@ -920,7 +970,8 @@ class Checkpointer:
 
     def maybe_save(self, iteration, global_step, agent, optimizer, scaler, rngs, now=False):
         """Rank 0: save every --save-interval iterations, every --save-minutes, at the end, and
-        `now` (preemption)."""
+        `now` (preemption). Returns the path written, or None: a failed save (full disk, I/O
+        error) warns and training goes on, a failed final save is left in save_error for MAIN."""
         a = self.args
         due = (
             now
@@ -941,37 +992,64 @@ class Checkpointer:
             "world_size": self.world_size,
             "elapsed": self.elapsed(),
         }
-        save_checkpoint(ckpt, self.dir, a.keep_checkpoints)
+        try:
+            path = save_checkpoint(ckpt, self.dir, a.keep_checkpoints)
+        except OSError as e:  # the older checkpoints are intact: the next save tries again
+            error = f"checkpoint at step {global_step} was not saved: {one_line(e, 160)}"
+            if iteration == a.num_iterations and not now:
+                self.save_error = f"the final {error}"  # MAIN stops the run with it
+            else:
+                print(f"warning: {error}; the next save tries again", file=sys.stderr, flush=True)
+            return None
         self.last_save = time.time()
+        return path
 
 
-# ---- PREEMPTION: on SIGTERM / SIGUSR1 finish the iteration, checkpoint, exit PREEMPTED ----------
+# ---- PREEMPTION: on SIGTERM / SIGUSR1 / Ctrl-C finish the iteration, checkpoint, exit 75 / 130 -
 PREEMPTED = 75  # EX_TEMPFAIL ("try again later"): requeue and rerun with --resume auto
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports after a Ctrl-C
 
 
 class Preemption:
-    """Notes a scheduler's warning signal; the loop polls `signalled` once per iteration, and the
-    ranks agree through the per-iteration report gather (signals reach them at other times)."""
+    """Notes a scheduler's warning signal or a Ctrl-C; the loop polls `signalled` once per
+    iteration, and the ranks agree through the per-iteration report gather (signals reach them at
+    other times). After a Ctrl-C a second signal exits at once: torchrun answers a second Ctrl-C
+    with SIGTERM, and checkpoints are atomic, so the last one stays intact."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
-        self.signalled = None
+    def __init__(self, master_process, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)):
+        self.master, self.signalled, self.since = master_process, None, 0.0
         for sig in signals:
             signal.signal(sig, self.note)
 
     def note(self, signum, frame):
-        self.signalled = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        # within a second it is the same Ctrl-C, sent by the terminal and forwarded by a launcher
+        if self.signalled and "SIGINT" in (name, self.signalled) and time.time() - self.since > 1:
+            if self.master:
+                os.write(2, b"stopped at once (a second signal); the last checkpoint is intact\n")
+            os._exit(INTERRUPTED)
+        if self.signalled is None:
+            self.signalled, self.since = name, time.time()
 
-    def leave(self, stopped, global_step, master_process, distributed):
-        """After rank 0's save: every rank exits PREEMPTED."""
-        if master_process:
+    def leave(self, stopped, saved, args: Args, distributed):
+        """After rank 0's save: every rank exits INTERRUPTED if each signal was a Ctrl-C, else
+        PREEMPTED; rank 0 says what it saved and the command that continues the run."""
+        code = INTERRUPTED if all(s.endswith("SIGINT") for s in stopped) else PREEMPTED
+        if self.master:
+            what = "interrupted" if code == INTERRUPTED else "preempted"
+            saved = f"saved {saved}" if saved else "not saved (see above)"
+            # the same flags; `auto` finds a run by its flags, any other run needs its name
+            again = (
+                [] if args.resume == "auto" else ["--run-name", args.run_name, "--resume", "auto"]
+            )
             print(
-                f"preempted ({', '.join(stopped)}): saved step {global_step}; exit {PREEMPTED}, "
-                "rerun the same command with --resume auto",
+                f"{what} ({', '.join(stopped)}): {saved}; exit {code}, continue with: "
+                f"{'torchrun ...' if distributed else 'python'} {shlex.join(sys.argv + again)}",
                 flush=True,
             )
         if distributed:
             dist.barrier()  # a rank that left early would make torchrun stop rank 0's save
-        leave(PREEMPTED, distributed)
+        leave(code, distributed)
 
 
 # ---- EVALUATION: full games with the final (or a saved) model ---------------------------------
@@ -1028,7 +1106,7 @@ def evaluate_checkpoint(args: Args, device, rank, world_size):
 # ---- ENV BACKENDS: sync / native, and --async-envs double buffering, behind one step() --------
 class NativeVectorEnv:
     """--env-backend native: ale-py's C++ vector env (threads), behind the SyncVectorEnv API and
-    info format the rollout loop reads, with our pipeline's semantics (README "Performance")."""
+    info format the rollout loop reads, with our pipeline's semantics (README "Flags")."""
 
     def __init__(self, env_id, num_envs, num_threads):
         # e.g. "BreakoutNoFrameskip-v4" -> game "breakout", its sticky actions and time limit
@@ -1080,7 +1158,7 @@ class NativeVectorEnv:
 
     def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
         # Every action is the agent's, FIRE after a lost life too: a forced FIRE would be a
-        # transition whose action the policy did not choose (README "Performance").
+        # transition whose action the policy did not choose (benchmark/results/notes.md).
         actions = np.asarray(actions, dtype=np.int64)
         self.env.send(actions)
 
@@ -1133,6 +1211,14 @@ def merge_infos(parts, sizes):
     return out
 
 
+def env_worker(*args):
+    """gymnasium's env subprocess in a session of its own: a Ctrl-C (to the terminal's process
+    group) or torchrun's signals (to the rank's) are the trainer's to handle (PREEMPTION)."""
+    os.setsid()
+    with contextlib.suppress(BrokenPipeError):  # the trainer left without closing its envs
+        gym.vector.async_vector_env._async_worker(*args)
+
+
 class RankEnvs:
     """This rank's envs: one group, or two for --async-envs; sync or native backend. step() acts
     with the policy and steps every env, so the rollout reads the same for every choice."""
@@ -1149,6 +1235,7 @@ class RankEnvs:
             vector_env = gym.vector.SyncVectorEnv
             if args.async_envs:  # subprocesses; forkserver: never fork a process that runs CUDA
                 vector_env, kw["context"] = gym.vector.AsyncVectorEnv, "forkserver"
+                kw["worker"] = env_worker
             self.envs = []
             for g in self.groups:
                 thunks = [make_env(args.env_id, i, capture_video, run_name) for i in g]
@@ -1484,12 +1571,12 @@ if __name__ == "__main__":
     sys.excepthook = crash_report = CrashReport(rank, args.pg_timeout)
     # From here a SIGTERM is only noted: a rank that torchrun stops because a peer failed first
     # still prints its own error, and a scheduler's warning ends the run after a checkpoint.
-    preemption = Preemption()
+    preemption = Preemption(master_process)
     # Validate everything BEFORE any collective: every rank reaches the same verdict and exits,
     # so bad input can never leave a peer waiting in a collective.
     try:
         check_launch(os.environ)
-        check_args(args, world_size)
+        flag_warnings = check_args(args, world_size)
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         device, backend = choose_device(
             args, rank, local_rank, world_size, local_world_size, num_gpus
@@ -1518,6 +1605,7 @@ if __name__ == "__main__":
         choose_run_name(args) if master_process else None, distributed
     )
     checkpointer = Checkpointer(args, run_name, rank, world_size, device)
+    checkpointer.claim()  # a second launch of this run, or a directory we cannot write, stops here
 
     if master_process:
         print(
@@ -1531,8 +1619,9 @@ if __name__ == "__main__":
             f"minibatch_size {args.minibatch_size} | grad_accum {args.grad_accum} | "
             f"num_iterations {args.num_iterations}"
         )
-        if warning := slow_bf16_warning(args, device):
-            print(warning)
+        for warning in [*flag_warnings, slow_bf16_warning(args, device)]:
+            if warning:
+                print(warning)
         if args.track:
             import wandb
 
@@ -1575,10 +1664,9 @@ if __name__ == "__main__":
     global_step = checkpointer.resume(agent, optimizer, scaler)
     start_iteration = global_step // args.batch_size + 1
     if master_process:
-        # purge_step: TensorBoard hides what a crashed run logged after its last checkpoint
-        writer = SummaryWriter(
-            f"runs/{run_name}", purge_step=global_step + 1 if global_step else None
-        )
+        # purge_step: TensorBoard hides what a crashed run logged after its last checkpoint (all
+        # of it on a fresh start: a run that stopped before its first save left only events)
+        writer = SummaryWriter(f"runs/{run_name}", purge_step=global_step + 1 if global_step else 0)
         atexit.register(writer.close)  # flush the logs even when the run fails
         writer.add_text(
             "hyperparameters",
@@ -1741,19 +1829,22 @@ if __name__ == "__main__":
 
         # ---- checkpoint; on a preemption signal (any rank) all ranks stop after this save ----
         stopped = [f"rank {r}: {rep['stop']}" for r, rep in enumerate(reports) if rep["stop"]]
+        saved = None
         if master_process:
             rngs = [r["rng"] for r in reports]
-            checkpointer.maybe_save(
+            saved = checkpointer.maybe_save(
                 iteration, global_step, agent, optimizer, scaler, rngs, now=bool(stopped)
             )
         if stopped:
-            preemption.leave(stopped, global_step, master_process, distributed)
+            preemption.leave(stopped, saved, args, distributed)
 
     # ---- the end: replicas must still agree; save, evaluate, leave ----
     replicas_ok = replicas_identical(params, device, distributed)
     envs.close()
     if distributed:
         dist.destroy_process_group()  # evaluation below is rank 0's alone: no peer waits on it
+    if checkpointer.save_error:  # rank 0's final save failed: the run did not end on disk
+        fail(checkpointer.save_error, rank, world_size)
     if master_process:
         elapsed = checkpointer.elapsed()
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
