@@ -174,9 +174,9 @@ def test_kept_memory_settings_serve_large_blocks_from_the_heap_and_keep_them_aft
     # What the code controls: glibc accepts both settings, and afterwards a block far above
     # glibc's default mmap threshold comes from the heap (hblks counts the mmapped blocks) and
     # stays there after its free (fordblks: the heap's free bytes; with glibc's default trim
-    # threshold the free would give it back). The same block before the settings is the control: mmapped,
-    # not kept, so the measurement can tell. How many page faults that saves depends on the
-    # machine: benchmark/page_faults.py.
+    # threshold the free would give it back). The same block before the settings is the
+    # control: mmapped, not kept, so the measurement can tell. How many page faults that saves
+    # depends on the machine: benchmark/page_faults.py.
     code = """if 1:
         import ctypes, platform, ppo_atari_multigpu as ppo
 
