@@ -123,6 +123,11 @@ class Args:
     """GPU of each rank, e.g. `--device-ids 0 0 1 1` (one id per rank; default: local rank)"""
     threads: Optional[int] = None
     """torch CPU threads per rank (default: cores // ranks on this node, at least 1)"""
+    bucket_mb: float = 1.0
+    """all-reduce the gradients in buckets of about this many MB as backward finishes them
+    (0: one all-reduce after backward)"""
+    allreduce_fp16: bool = False
+    """all-reduce the gradients as fp16: half the bytes on the wire, rounded (opt-in)"""
     pg_timeout: float = 600.0
     """seconds a collective may wait for a peer before the run fails"""
 
@@ -343,7 +348,7 @@ def ppo_loss(agent, args, obs, actions, logprobs, advantages, returns, values):
     return loss, torch.stack([stats[name] for name in LOSS_STATS]).detach()
 
 
-# ---- the flat gradient buffer: ONE all-reduce per minibatch ----
+# ---- the flat gradient buffer: ONE buffer, all-reduced in buckets as backward fills it ----
 # Invariants (checked each iteration by grads_in_buffer):
 # - make the buffer AFTER every .to() / memory-format change of the model: the views copy each
 #   parameter's strides (e.g. channels-last), and a move would leave them behind;
@@ -371,17 +376,76 @@ def grads_in_buffer(params, flat):
     return True
 
 
+class GradBuckets:
+    """The flat buffer's all-reduce, overlapped with backward. Buckets are contiguous views of
+    the buffer, cut in the order backward finishes them (heads and fc first, conv1 last); each
+    is launched (async_op) once its last gradient is accumulated, always in bucket order, so
+    every rank issues the same collectives. The loss statistics end the buffer, so they ride in
+    the first bucket: they are final before backward starts. With 2 ranks each element is one
+    sum a + b whatever the bucket, so the numbers are bit-identical to one all-reduce of the
+    whole buffer (tested); with more ranks a bucket may be summed in another order (rounding).
+    fp16: each gradient bucket travels as fp16 (the average: divided before the cast, so the
+    sum cannot grow past fp16's range with the world size); the statistics stay fp32."""
+
+    def __init__(self, params, flat, bucket_mb, world_size, fp16=False):
+        self.world_size, self.views, self.sizes, self.owner = world_size, [], [], {}
+        cap = bucket_mb * 2**20 / flat.element_size() if bucket_mb > 0 else math.inf
+        starts = np.cumsum([0] + [p.numel() for p in params])
+        end, count = flat.numel(), 0
+        if fp16:  # the statistics in a bucket of their own, ready at once
+            self.views.append(flat[starts[-1] :])
+            self.sizes.append(0)
+            end = starts[-1]
+        for i in reversed(range(len(params))):
+            self.owner[params[i]], count = len(self.views), count + 1
+            if i == 0 or end - starts[i] >= cap:
+                self.views.append(flat[starts[i] : end])
+                self.sizes.append(count)
+                end, count = starts[i], 0
+        self.wires = [v.half() if fp16 and self.sizes[k] else v for k, v in enumerate(self.views)]
+        if world_size > 1 and len(self.views) > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self.ready)
+        self.flat, self.armed = flat, False
+
+    def arm(self):  # before the backward that leaves the final gradients (last micro-batch)
+        self.left, self.works, self.armed = list(self.sizes), [], True
+
+    def ready(self, p):  # p.grad is final for this minibatch
+        if self.armed:
+            self.left[self.owner[p]] -= 1
+            self.launch(lambda k: self.left[k] == 0)
+
+    def launch(self, ready):
+        while len(self.works) < len(self.views) and ready(len(self.works)):
+            view, wire = self.views[len(self.works)], self.wires[len(self.works)]
+            if wire is not view:
+                wire.copy_(view.div_(self.world_size))
+            self.works.append(dist.all_reduce(wire, async_op=True))
+
+    def wait(self):  # after backward: launch what is left, wait for all, average
+        self.armed = False
+        self.launch(lambda k: True)
+        for work, view, wire in zip(self.works, self.views, self.wires):
+            work.wait()
+            if wire is view:
+                view /= self.world_size  # SUM, then divide: gloo has no AVG
+            else:
+                view.copy_(wire)
+
+
 def minibatch_gradient(
-    agent, args, flat_grads, n_params, batch, mb_inds, world_size, autocast, scaler, timer
+    agent, args, buckets, n_params, batch, mb_inds, world_size, autocast, scaler, timer
 ):
-    """Leave in flat_grads the gradient of one minibatch averaged over all ranks (scaled by the
-    fp16 GradScaler when enabled), then its LOSS_STATS. `mb_inds`: a tensor on the batch's
-    device (gather_frames takes no numpy array). `timer` times the collectives."""
+    """Leave in buckets.flat the gradient of one minibatch averaged over all ranks (scaled by
+    the fp16 GradScaler when enabled), then its LOSS_STATS. `mb_inds`: a tensor on the batch's
+    device (gather_frames takes no numpy array). `timer` times the waits for collectives."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
     if args.norm_adv:
         with timer:  # its tiny all-reduce is where ranks wait for a slower rollout
             mb_advantages = normalize_advantages(mb_advantages, world_size)
+    flat_grads = buckets.flat
     flat_grads.zero_()
     micro = len(mb_inds) // args.grad_accum
     for m in range(0, len(mb_inds), micro):  # gradient accumulation: sum of micro-batch means / K
@@ -397,12 +461,13 @@ def minibatch_gradient(
                 b_returns[i],
                 b_values[i],
             )
-        scaler.scale(loss / args.grad_accum).backward()
         flat_grads[n_params:] += stats / args.grad_accum
+        if m + micro == len(mb_inds):
+            buckets.arm()  # only the last micro-batch's backward launches all-reduces
+        scaler.scale(loss / args.grad_accum).backward()
     if world_size > 1:
-        with timer:
-            dist.all_reduce(flat_grads)  # SUM, then divide: gloo has no AVG
-            flat_grads /= world_size
+        with timer:  # what backward did not hide
+            buckets.wait()
 
 
 # ================================================================================================
@@ -507,7 +572,7 @@ def check_args(args: Args, world_size: int):
         ("> 0", lambda v: 0 < v < math.inf, "learning_rate clip_coef vf_coef max_grad_norm"),
         ("> 0", lambda v: 0 < v < math.inf, "target_kl pg_timeout"),
         (">= 0", lambda v: 0 <= v < math.inf, "ent_coef save_interval save_minutes eval_episodes"),
-        (">= 0", lambda v: 0 <= v < math.inf, "print_every"),
+        (">= 0", lambda v: 0 <= v < math.inf, "print_every bucket_mb"),
         (">= 1", lambda v: v >= 1, "keep_checkpoints threads"),
         ("in [0, 2**31)", lambda v: 0 <= v < 2**31, "seed"),  # + rank: numpy takes < 2**32
     ):
@@ -519,6 +584,8 @@ def check_args(args: Args, world_size: int):
         ("device_ids", not args.cuda, "with --no-cuda"),
         ("backend", world_size == 1, "in a single process"),
         ("pg_timeout", world_size == 1, "in a single process"),
+        ("bucket_mb", world_size == 1, "in a single process"),
+        ("allreduce_fp16", world_size == 1, "in a single process"),
         ("wandb_project_name", not args.track, "without --track"),
         ("wandb_entity", not args.track, "without --track"),
     )
@@ -1658,6 +1725,7 @@ if __name__ == "__main__":
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat_grads = flat_grad_buffer(params, len(LOSS_STATS))
+    buckets = GradBuckets(params, flat_grads, args.bucket_mb, world_size, args.allreduce_fp16)
     loss_stats = flat_grads[n_params:]  # a view: the all-reduced statistics of the last minibatch
     approx_kl_at, clipfrac_at = LOSS_STATS.index("approx_kl"), LOSS_STATS.index("clipfrac")
 
@@ -1745,7 +1813,7 @@ if __name__ == "__main__":
         b_returns = returns.reshape(-1)
         b_values = values.reshape(-1)
 
-        # ---- PPO update: one all-reduce of the flat gradient buffer per minibatch ----
+        # ---- PPO update: the flat gradient buffer all-reduced per minibatch ----
         batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
         b_inds = np.arange(args.local_batch_size)
         clipfrac_sum, num_updates = torch.zeros((), device=device), 0
@@ -1757,7 +1825,7 @@ if __name__ == "__main__":
                 minibatch_gradient(
                     agent,
                     args,
-                    flat_grads,
+                    buckets,
                     n_params,
                     batch,
                     mb_inds,

@@ -185,6 +185,7 @@ def update_rate(mod, device, n_actions, mbs, amp, seconds):
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
+    buckets = mod.GradBuckets(params, flat, targs.bucket_mb, 1)  # one rank: no collectives
     n = 4 * mbs  # 4 minibatches per epoch, as the trainer's default
     obs = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.randint(0, n_actions, (n,), device=device)
@@ -203,7 +204,7 @@ def update_rate(mod, device, n_actions, mbs, amp, seconds):
     def minibatch():
         mb_inds = mod.upload(rng.choice(n, mbs, replace=False), device)  # as the trainer: no sync
         mod.minibatch_gradient(
-            agent, targs, flat, n_params, batch, mb_inds, 1, autocast, scaler, timer
+            agent, targs, buckets, n_params, batch, mb_inds, 1, autocast, scaler, timer
         )
         scaler.unscale_(optimizer)  # the trainer's step sequence
         torch.nn.utils.clip_grad_norm_(params, targs.max_grad_norm)

@@ -142,6 +142,7 @@ def worker_update(mod, a, bf16):
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
+    buckets = mod.GradBuckets(params, flat, targs.bucket_mb, 1)  # one rank: no collectives
     obs = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.randint(0, n_actions, (n,), device=device)
     with torch.inference_mode():  # log-probs and values of the same policy: ratios start near 1
@@ -158,7 +159,7 @@ def worker_update(mod, a, bf16):
             for start in range(0, n, targs.local_minibatch_size):
                 mb_inds = inds[start : start + targs.local_minibatch_size]
                 mod.minibatch_gradient(
-                    agent, targs, flat, n_params, batch, mb_inds, 1, autocast, scaler, timer
+                    agent, targs, buckets, n_params, batch, mb_inds, 1, autocast, scaler, timer
                 )
                 # the trainer's step sequence (the scaler acts under fp16 only)
                 scaler.unscale_(optimizer)

@@ -203,6 +203,7 @@ def parts(mod, dtype, minibatch, repeats):
         q.grad = torch.randn_like(p)
     n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
+    buckets = mod.GradBuckets(params, flat, args.bucket_mb, 1)  # one rank: no collectives
     n = 4 * minibatch  # a rollout of 4 minibatches
     frames = mod.frame_buffer((n, 1, 4, 84, 84), args.channels_last, cpu).view(n, 4, 84, 84)
     frames.copy_(torch.randint(0, 256, frames.shape, dtype=torch.uint8))
@@ -212,7 +213,9 @@ def parts(mod, dtype, minibatch, repeats):
 
     def gradient():
         timer = contextlib.nullcontext()
-        mod.minibatch_gradient(agent, args, flat, n_params, batch, inds, 1, autocast, scaler, timer)
+        mod.minibatch_gradient(
+            agent, args, buckets, n_params, batch, inds, 1, autocast, scaler, timer
+        )
 
     def convert():
         with autocast:

@@ -1,6 +1,7 @@
 """Two gloo ranks spawned in-process: the flat all-reduce gives the single-process gradient."""
 
 import contextlib
+import copy
 
 import torch
 import torch.distributed as dist
@@ -25,21 +26,49 @@ def make_batch(seed, n):
     )  # old values
 
 
-def minibatch_gradient(agent, args, flat, n_params, batch, inds, world_size):
+def minibatch_gradient(agent, args, buckets, n_params, batch, inds, world_size):
     autocast, scaler = ppo.precision(args, torch.device("cpu"))
     timer = contextlib.nullcontext()
     ppo.minibatch_gradient(
-        agent, args, flat, n_params, batch, inds, world_size, autocast, scaler, timer
+        agent, args, buckets, n_params, batch, inds, world_size, autocast, scaler, timer
     )
+
+
+class LaunchCount(ppo.GradBuckets):
+    """Records how many buckets backward itself had launched when wait() came."""
+
+    def wait(self):
+        self.launched_in_backward = len(self.works)
+        super().wait()
 
 
 def gradient(agent, args, batch, world_size):
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
-    minibatch_gradient(agent, args, flat, n_params, batch, torch.arange(len(batch[0])), world_size)
+    buckets = LaunchCount(params, flat, args.bucket_mb, world_size, args.allreduce_fp16)
+    inds = torch.arange(len(batch[0]))
+    minibatch_gradient(agent, args, buckets, n_params, batch, inds, world_size)
     assert ppo.grads_in_buffer(params, flat)  # the backward passes wrote into the views
-    return flat[:n_params].clone(), flat[n_params:].clone()
+    return flat[:n_params].clone(), flat[n_params:].clone(), buckets
+
+
+def updates(agent, args, rank, world_size):
+    """Three real updates on DIFFERENT local data: the parameters, and the KL each rank read."""
+    opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
+    params = list(agent.parameters())
+    flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
+    buckets = ppo.GradBuckets(params, flat, args.bucket_mb, world_size)
+    n_params = flat.numel() - len(ppo.LOSS_STATS)
+    kls = []
+    for update in range(3):
+        batch = make_batch(1000 * update + rank, LOCAL)
+        minibatch_gradient(agent, args, buckets, n_params, batch, torch.arange(LOCAL), world_size)
+        nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        opt.step()
+        # what the target-kl check reads on this rank
+        kls.append(flat[n_params + ppo.LOSS_STATS.index("approx_kl")].item())
+    return nn.utils.parameters_to_vector(agent.parameters()).detach().clone(), kls
 
 
 def worker(rank, world_size, store, results):
@@ -50,27 +79,19 @@ def worker(rank, world_size, store, results):
     union = make_batch(123, LOCAL * world_size)
     mine = tuple(x[rank * LOCAL : (rank + 1) * LOCAL] for x in union)
     out = {}
-    out["dist"], out["dist_stats"] = gradient(agent, args, mine, world_size)
-    out["single"], out["single_stats"] = gradient(agent, args, union, 1)
+    out["dist"], out["dist_stats"], buckets = gradient(agent, args, mine, world_size)
+    out["buckets"], out["launched_in_backward"] = len(buckets.views), buckets.launched_in_backward
+    out["single"], out["single_stats"], _ = gradient(agent, args, union, 1)
     args.grad_accum = 4
-    out["accum"], _ = gradient(agent, args, mine, world_size)
-
-    # Several real updates on DIFFERENT local data; replicas must stay bit-identical.
-    args.grad_accum = 1
-    opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
-    params = list(agent.parameters())
-    flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
-    n_params = flat.numel() - len(ppo.LOSS_STATS)
-    kls = []
-    for update in range(3):
-        batch = make_batch(1000 * update + rank, LOCAL)
-        minibatch_gradient(agent, args, flat, n_params, batch, torch.arange(LOCAL), world_size)
-        nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-        opt.step()
-        # what the target-kl check reads on this rank
-        kls.append(flat[n_params + ppo.LOSS_STATS.index("approx_kl")].item())
-    out["params"] = nn.utils.parameters_to_vector(agent.parameters()).detach().clone()
-    out["kls"] = kls
+    out["accum"], _, _ = gradient(agent, args, mine, world_size)
+    args.grad_accum, args.allreduce_fp16 = 1, True
+    out["fp16"], out["fp16_stats"], _ = gradient(agent, args, mine, world_size)
+    args.allreduce_fp16, args.bucket_mb = False, 0.0  # one all-reduce of the buffer after backward
+    out["one"], out["one_stats"], buckets = gradient(agent, args, mine, world_size)
+    out["one_launched_in_backward"] = buckets.launched_in_backward
+    out["one_params"], _ = updates(copy.deepcopy(agent), args, rank, world_size)
+    args.bucket_mb = ppo.Args.bucket_mb  # the default: buckets launched during backward
+    out["params"], out["kls"] = updates(agent, args, rank, world_size)
     results[rank] = out
     dist.destroy_process_group()
 
@@ -107,6 +128,25 @@ def test_grad_accum_gradient_equals_one_micro_batch_gradient(tmp_path_factory):
 def test_parameters_stay_bit_identical_across_ranks_after_updates(tmp_path_factory):
     r0, r1 = two_ranks(tmp_path_factory)
     assert torch.equal(r0["params"], r1["params"])
+
+
+def test_buckets_launched_during_backward_give_the_one_all_reduce_bit_for_bit(tmp_path_factory):
+    r0, r1 = two_ranks(tmp_path_factory)
+    for r in (r0, r1):
+        assert r["buckets"] >= 2 and r["launched_in_backward"] >= 1  # it did overlap
+        assert r["one_launched_in_backward"] == 0  # --bucket-mb 0: all after backward
+        assert torch.equal(r["dist"], r["one"]) and torch.equal(r["dist_stats"], r["one_stats"])
+        assert torch.equal(r["params"], r["one_params"])  # after three updates too
+
+
+def test_fp16_allreduce_rounds_only_the_gradients_and_every_rank_gets_the_same(tmp_path_factory):
+    r0, r1 = two_ranks(tmp_path_factory)
+    assert torch.equal(r0["fp16"], r1["fp16"])  # the replicas still take the same step
+    assert not torch.equal(r0["fp16"], r0["dist"])  # fp16 did travel: the gradients rounded
+    # two roundings to fp16 (each rank's half, then their sum): 2**-10 of the larger entries
+    scale = r0["dist"].abs().max()
+    assert torch.allclose(r0["fp16"], r0["dist"], rtol=2**-10, atol=2**-10 * scale)
+    assert torch.equal(r0["fp16_stats"], r0["dist_stats"])  # the statistics stay fp32
 
 
 def test_target_kl_decision_reads_the_same_rank_averaged_kl_on_every_rank(tmp_path_factory):

@@ -60,13 +60,23 @@ def optimized(updates, args, grads=None):
     params = list(agent.parameters())
     opt = torch.optim.Adam(params, lr=LR, eps=1e-5, foreach=True)
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
+    buckets = ppo.GradBuckets(params, flat, args.bucket_mb, 1)
     n_params = flat.numel() - len(ppo.LOSS_STATS)
     autocast, scaler = ppo.precision(args, torch.device("cpu"))
     for u in range(updates):
         batch = data(seed=u)
         inds = torch.arange(len(batch[0]))
         ppo.minibatch_gradient(
-            agent, args, flat, n_params, batch, inds, 1, autocast, scaler, contextlib.nullcontext()
+            agent,
+            args,
+            buckets,
+            n_params,
+            batch,
+            inds,
+            1,
+            autocast,
+            scaler,
+            contextlib.nullcontext(),
         )
         if grads is not None:
             grads.append(flat_grad(params))
@@ -89,10 +99,11 @@ def gradient(batch, inds, speed_up=True):
     agent = ppo.Agent(4)
     agent = ppo.speed_up(agent, args) if speed_up else agent.to(memory_format=torch.channels_last)
     flat = ppo.flat_grad_buffer(list(agent.parameters()), len(ppo.LOSS_STATS))
+    buckets = ppo.GradBuckets(list(agent.parameters()), flat, args.bucket_mb, 1)
     n_params = flat.numel() - len(ppo.LOSS_STATS)
     autocast, scaler = ppo.precision(args, torch.device("cpu"))
     timer = contextlib.nullcontext()
-    ppo.minibatch_gradient(agent, args, flat, n_params, batch, inds, 1, autocast, scaler, timer)
+    ppo.minibatch_gradient(agent, args, buckets, n_params, batch, inds, 1, autocast, scaler, timer)
     return flat.clone()
 
 
