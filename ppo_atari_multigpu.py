@@ -353,10 +353,12 @@ def ppo_loss(agent, args, obs, actions, logprobs, advantages, returns, values):
 # - make the buffer AFTER every .to() / memory-format change of the model: the views copy each
 #   parameter's strides (e.g. channels-last), and a move would leave them behind;
 # - never optimizer.zero_grad(): it sets .grad to None and drops the views; zero the buffer;
-# - load a state dict IN PLACE (load_state_dict), never by replacing the parameters.
+# - load a state dict IN PLACE (load_state_dict), never by replacing the parameters;
+# - GradBuckets cuts buckets from the end: backward should finish the last parameters first (a
+#   trunk and its heads do); otherwise a bucket starts later, never early: it waits for all its own.
 def flat_grad_buffer(params, extra):
     """One buffer for all gradients (each .grad a view into it) plus `extra` slots at the end
-    for statistics: a single all_reduce averages both, with no cat and no copy-back."""
+    for statistics: all-reduced together (GradBuckets), with no cat and no copy-back."""
     flat = torch.zeros(sum(p.numel() for p in params) + extra, device=params[0].device)
     offset = 0
     for p in params:

@@ -46,6 +46,7 @@ VARIANTS = [
     ("native", ["--env-backend", "native"]),
     ("async", ["--async-envs"]),
     ("native+bf16", ["--env-backend", "native", "--amp", "bf16"]),
+    ("one-allreduce", ["--bucket-mb", "0"]),  # the gradients' all-reduce after backward, whole
 ]
 CPU_CONFIGS = [
     (f"{layout} {variant}", ranks, envs, flags)

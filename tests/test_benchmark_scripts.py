@@ -209,3 +209,62 @@ def test_update_ceiling_tables_have_every_layer_and_part_and_the_gemm_shapes_add
     shapes = uc.gemm_shapes(1)
     assert shapes["conv1"] == [(400, 256, 32), (32, 400, 256)]  # 20x20 outputs, 4x8x8 patches
     assert shapes["fc"][0] == (1, 3136, 512) and len(shapes["conv2"]) == 3
+
+
+def slow_link():
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    import slow_link
+
+    return slow_link
+
+
+def test_slow_link_says_in_one_line_what_the_machine_lacks_and_exits_non_zero(tmp_path):
+    sl = slow_link()
+    assert sl.missing(0, lambda tool: "/usr/sbin/" + tool) is None
+    assert "needs root" in sl.missing(1000, lambda tool: "/usr/sbin/" + tool)
+    assert sl.missing(0, lambda tool: None if tool == "tc" else tool).endswith("not found: tc")
+    # as a user without root would run it (here: nothing on PATH, so no ip either)
+    env = dict(os.environ, PATH=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmark/slow_link.py"), "--repeats", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("slow_link.py needs") and not out.stdout
+
+
+def test_slow_link_table_has_every_row_with_its_ratio_to_the_unshaped_default(tmp_path):
+    import argparse
+    import datetime
+
+    import numpy as np
+
+    sl = slow_link()
+    parts = {k: (np.array([1.0, 1.0]), None) for k in ("env", "inference", "update")}
+    results = {
+        (link, mode): [
+            {"sps": sps, "parts": {**parts, "allreduce": (np.array([a_r, a_r]), None)}}
+            for sps in (base, base * 1.1)
+        ]
+        for link, mode, base, a_r in (
+            ("unshaped", "overlap", 400.0, 0.1),
+            ("unshaped", "one", 380.0, 0.2),
+            ("1gbit", "overlap", 300.0, 1.0),
+        )
+    }
+    results["1gbit", "one"] = [{"error": "boom"}]
+    a = argparse.Namespace(
+        host="h", repeats=2, iterations=10, env_id="E", links=["unshaped", "1gbit"],
+        modes=["overlap", "one"],
+    )  # fmt: skip
+    md = sl.report(a, results, datetime.datetime.now().astimezone(), (0, 1), 8_000_000)
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in md.splitlines()}
+    overlap, one = sl.MODES["overlap"][0], sl.MODES["one"][0]
+    assert "| 0.95 (0.95–0.95) |" in rows["unshaped", one]  # 380 / 400, per repeat alike
+    assert "| 0.75 (0.75–0.75) |" in rows["1gbit", overlap]
+    assert rows["1gbit", overlap].endswith("| 1.000 | 0.25 |")  # all-reduce s, its share of 4 s
+    assert "failed: boom" in rows["1gbit", one]
+    assert "1gbit 1.02 s of transfer per iteration" in md  # 16 x 8 MB at 1 Gbit/s
