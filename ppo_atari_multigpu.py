@@ -56,7 +56,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment (env i of rank r gets seed + r * local_num_envs + i)"""
+    """seed of the experiment (env i of rank r gets seed + the envs of ranks < r + i)"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
@@ -115,6 +115,8 @@ class Args:
     """samples per rank per minibatch (= local_batch_size / num_minibatches)"""
     grad_accum: int = 1
     """split each local minibatch into this many micro-batches (less memory, same gradient)"""
+    rank_envs: Optional[list[int]] = None
+    """envs of each rank, e.g. `--rank-envs 6 2` for uneven nodes (default: the same on all)"""
 
     # Distributed (README "Launching")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -241,9 +243,10 @@ def make_env(env_id, idx, capture_video, run_name):
     return thunk
 
 
-def env_seeds(seed, rank, local_num_envs):
+def env_seeds(seed, rank, local_num_envs, rank_envs=None):
     """Distinct seeds over all ranks' envs (CleanRL's multi-GPU script overlaps them)."""
-    return [seed + rank * local_num_envs + i for i in range(local_num_envs)]
+    first = sum(rank_envs[:rank]) if rank_envs else rank * local_num_envs
+    return [seed + first + i for i in range(local_num_envs)]
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -307,10 +310,10 @@ def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda
 def normalize_advantages(adv, world_size):
     # Statistics of the GLOBAL minibatch (the union over ranks), not of the local one: then the
     # rank-averaged gradient equals the single-process gradient on that union exactly.
-    n = adv.numel() * world_size  # every rank's minibatch has the same size
-    s = torch.stack([adv.sum(), (adv * adv).sum()]).double()
+    s = torch.stack([adv.sum(), (adv * adv).sum(), adv.new_tensor(adv.numel())]).double()
     if world_size > 1:
         dist.all_reduce(s)
+    n = s[2]  # the global minibatch's size (with --rank-envs ranks differ)
     mean = s[0] / n
     std = ((s[1] - n * mean * mean) / (n - 1)).clamp(min=0).sqrt()
     return (adv - mean.float()) / (std.float() + 1e-8)
@@ -441,7 +444,9 @@ def minibatch_gradient(
 ):
     """Leave in buckets.flat the gradient of one minibatch averaged over all ranks (scaled by
     the fp16 GradScaler when enabled), then its LOSS_STATS. `mb_inds`: a tensor on the batch's
-    device (gather_frames takes no numpy array). `timer` times the waits for collectives."""
+    device (gather_frames takes no numpy array). `timer` times the waits for collectives.
+    Sample-weighted: a rank's loss counts by its share of the global minibatch, so the average
+    is the gradient on the union even when ranks hold different sample counts (--rank-envs)."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
     if args.norm_adv:
@@ -449,6 +454,8 @@ def minibatch_gradient(
             mb_advantages = normalize_advantages(mb_advantages, world_size)
     flat_grads = buckets.flat
     flat_grads.zero_()
+    # this rank's share of the global minibatch x world size: exactly 1.0 when ranks are even
+    share = len(mb_inds) * world_size / args.minibatch_size if world_size > 1 else 1.0
     micro = len(mb_inds) // args.grad_accum
     for m in range(0, len(mb_inds), micro):  # gradient accumulation: sum of micro-batch means / K
         i = mb_inds[m : m + micro]
@@ -463,10 +470,10 @@ def minibatch_gradient(
                 b_returns[i],
                 b_values[i],
             )
-        flat_grads[n_params:] += stats / args.grad_accum
+        flat_grads[n_params:] += stats * share / args.grad_accum
         if m + micro == len(mb_inds):
             buckets.arm()  # only the last micro-batch's backward launches all-reduces
-        scaler.scale(loss / args.grad_accum).backward()
+        scaler.scale(loss * share / args.grad_accum).backward()
     if world_size > 1:
         with timer:  # what backward did not hide
             buckets.wait()
@@ -478,8 +485,12 @@ def minibatch_gradient(
 
 
 # ---- FLAGS: derived sizes and the checks that need no process group ---------------------------
-def resolve_sizes(args: Args, world_size: int) -> Args:
-    """Derive every batch size from the subset the user gave; refuse inconsistent ones."""
+PER_RANK = ("local_num_envs", "local_batch_size", "local_minibatch_size")  # --rank-envs: own
+
+
+def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
+    """Derive every batch size from the subset the user gave; refuse inconsistent ones. The
+    local sizes are `rank`'s (they differ between ranks only with --rank-envs)."""
 
     def need(cond, msg):
         if not cond:
@@ -489,8 +500,21 @@ def resolve_sizes(args: Args, world_size: int) -> Args:
     for name in (counts + "num_minibatches grad_accum total_timesteps update_epochs").split():
         value = getattr(args, name)
         need(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    split = args.rank_envs
+    if split is not None:  # uneven ranks: own env counts, the same number of minibatches
+        given = [f"--{n.replace('_', '-')}" for n in PER_RANK if getattr(args, n) is not None]
+        need(not given, f"--rank-envs gives every rank's sizes: drop {' '.join(given)}")
+        msg = f"--rank-envs {' '.join(map(str, split))}"
+        need(len(split) == world_size, f"{msg}: one count per rank, world size {world_size}")
+        need(min(split) >= 1, f"{msg}: every rank needs at least 1 env")
+        need(args.num_envs in (None, sum(split)), f"{msg} sum != --num-envs {args.num_envs}")
+        steps, n_mb, k = args.num_steps or 128, args.num_minibatches or 4, args.grad_accum
+        for r, envs in enumerate(split):
+            msg = f"--num-minibatches {n_mb} x --grad-accum {k} does not divide rank {r}'s batch"
+            need(envs * steps % (n_mb * k) == 0, f"{msg} ({envs} envs x {steps} steps)")
+        args.local_num_envs, args.num_steps, args.num_minibatches = split[rank], steps, n_mb
     envs, steps, lbs = args.local_num_envs, args.num_steps, args.local_batch_size
-    if args.num_envs is not None:
+    if args.num_envs is not None and args.rank_envs is None:
         need(
             args.num_envs % world_size == 0,
             f"--num-envs {args.num_envs} is not divisible by the world size {world_size}",
@@ -532,15 +556,16 @@ def resolve_sizes(args: Args, world_size: int) -> Args:
         mbs % args.grad_accum == 0,
         f"--grad-accum {args.grad_accum} does not divide --local-minibatch-size {mbs}",
     )
+    total = sum(args.rank_envs) if args.rank_envs else envs * world_size
     need(
-        args.total_timesteps >= lbs * world_size,
+        args.total_timesteps >= total * steps,
         f"--total-timesteps {args.total_timesteps} is less than one rollout of all ranks "
-        f"({lbs * world_size} = --local-batch-size {lbs} x world size {world_size})",
+        f"({total * steps} = {total} envs x {steps} steps)",
     )
-    args.local_num_envs, args.num_envs, args.num_steps = envs, envs * world_size, steps
+    args.local_num_envs, args.num_envs, args.num_steps = envs, total, steps
     args.local_batch_size, args.local_minibatch_size, args.num_minibatches = lbs, mbs, n_mb
-    args.world_size, args.batch_size = world_size, lbs * world_size
-    args.minibatch_size = mbs * world_size
+    args.world_size, args.batch_size = world_size, total * steps
+    args.minibatch_size = total * steps // n_mb
     args.num_iterations = args.total_timesteps // args.batch_size
     return args
 
@@ -554,15 +579,15 @@ def check_env_id(env_id: str):
         raise ValueError(f"env id {env_id!r} is not an Atari (ale-py) environment")
 
 
-def check_args(args: Args, world_size: int):
+def check_args(args: Args, world_size: int, rank: int = 0):
     """Resolve the sizes and refuse bad input with one ValueError, identically on every rank.
     Returns a warning line for each flag given that has no effect here."""
-    resolve_sizes(args, world_size)
+    resolve_sizes(args, world_size, rank)
     check_env_id(args.env_id)
-    if args.async_envs and args.local_num_envs < 2:
+    if args.async_envs and min(args.rank_envs or [args.local_num_envs]) < 2:
         raise ValueError(
-            "--async-envs splits each rank's envs into two groups: needs --local-num-envs >= 2, "
-            f"got {args.local_num_envs}"
+            "--async-envs splits each rank's envs into two groups: needs >= 2 on every rank, "
+            f"got {args.rank_envs or args.local_num_envs}"
         )
     if args.capture_video and args.env_backend == "native":
         raise ValueError("--capture-video records through gymnasium: use --env-backend sync")
@@ -686,7 +711,8 @@ def broadcast_object(obj, distributed):
 def check_same_flags(args: Args, world_size):
     """Refuse ranks launched with different flags (they would run different collectives and
     hang): every rank gathers every rank's resolved flags and reaches the same verdict."""
-    mine = {k: v for k, v in vars(args).items() if k != "threads"}  # threads may differ per node
+    own = ("threads", *(PER_RANK if args.rank_envs else ()))  # may differ per node or rank
+    mine = {k: v for k, v in vars(args).items() if k not in own}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, mine)
     differ = []
@@ -1645,7 +1671,7 @@ if __name__ == "__main__":
     # so bad input can never leave a peer waiting in a collective.
     try:
         check_launch(os.environ)
-        flag_warnings = check_args(args, world_size)
+        flag_warnings = check_args(args, world_size, rank)
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         device, backend = choose_device(
             args, rank, local_rank, world_size, local_world_size, num_gpus
@@ -1687,6 +1713,7 @@ if __name__ == "__main__":
             f"  local_minibatch_size {args.local_minibatch_size} | "
             f"minibatch_size {args.minibatch_size} | grad_accum {args.grad_accum} | "
             f"num_iterations {args.num_iterations}"
+            + (f"\n  rank_envs {args.rank_envs} (local sizes: rank 0's)" if args.rank_envs else "")
         )
         for warning in [*flag_warnings, slow_bf16_warning(args, device)]:
             if warning:
@@ -1757,7 +1784,7 @@ if __name__ == "__main__":
     progress = Progress(args, global_step)
     collective_clock = CollectiveClock(device)
     # a resumed run gets fresh envs with seeds no earlier start used
-    seeds = env_seeds(args.seed + global_step, rank, args.local_num_envs)
+    seeds = env_seeds(args.seed + global_step, rank, args.local_num_envs, args.rank_envs)
     next_obs = upload(envs.reset(seeds), device)
     next_done = torch.zeros(args.local_num_envs, device=device)
 
@@ -1865,6 +1892,7 @@ if __name__ == "__main__":
         report = {
             "episodes": episodes,
             "ev": explained_var,
+            "samples": args.local_batch_size,
             "times": times,
             "rng": checkpointer.rng_state(),
             "stop": preemption.signalled,  # a scheduler's warning signal on this rank
@@ -1886,8 +1914,13 @@ if __name__ == "__main__":
             stats["clipfrac"] = clipfrac_sum.item() / num_updates  # mean over the iteration
             for name, value in stats.items():
                 writer.add_scalar(f"losses/{name}", value, global_step)
-            explained_var = np.nanmean([r["ev"] for r in reports])
-            writer.add_scalar("losses/explained_variance", explained_var, global_step)
+            ok = [r for r in reports if not np.isnan(r["ev"])]  # sample-weighted over ranks
+            ev = (
+                np.average([r["ev"] for r in ok], weights=[r["samples"] for r in ok])
+                if ok
+                else np.nan
+            )
+            writer.add_scalar("losses/explained_variance", ev, global_step)
             writer.add_scalar("charts/SPS", sps, global_step)
             imbalance = log_perf(writer, reports, global_step)
             progress.add(reports)

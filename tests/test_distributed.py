@@ -76,9 +76,17 @@ def worker(rank, world_size, store, results):
     torch.manual_seed(0)
     agent = ppo.Agent(N_ACTIONS)  # same seed on both ranks: identical replicas
     args = ppo.Args(grad_accum=1)
+    args.minibatch_size = LOCAL * world_size  # as resolve_sizes sets it
     union = make_batch(123, LOCAL * world_size)
     mine = tuple(x[rank * LOCAL : (rank + 1) * LOCAL] for x in union)
     out = {}
+    # --rank-envs 3 1: rank 0 holds 3/4 of the same union, rank 1 the last quarter
+    cut = [0, 3 * LOCAL // 2, 2 * LOCAL]
+    uneven = tuple(x[cut[rank] : cut[rank + 1]] for x in union)
+    out["uneven"], out["uneven_stats"], _ = gradient(agent, args, uneven, world_size)
+    args.grad_accum = 4  # divides each rank's own minibatch
+    out["uneven_accum"], _, _ = gradient(agent, args, uneven, world_size)
+    args.grad_accum = 1
     out["dist"], out["dist_stats"], buckets = gradient(agent, args, mine, world_size)
     out["buckets"], out["launched_in_backward"] = len(buckets.views), buckets.launched_in_backward
     out["single"], out["single_stats"], _ = gradient(agent, args, union, 1)
@@ -117,6 +125,14 @@ def test_allreduced_gradient_equals_single_process_gradient(tmp_path_factory):
     assert_equal_to_rounding(r0["dist"], r0["single"])  # measured: ~2.5e-7 x the largest entry
     assert_equal_to_rounding(r0["dist_stats"], r0["single_stats"])
     assert torch.equal(r0["dist"], r1["dist"])  # every rank holds the very same average
+
+
+def test_uneven_ranks_sample_weighted_gradient_equals_single_process_gradient(tmp_path_factory):
+    r0, r1 = two_ranks(tmp_path_factory)
+    assert_equal_to_rounding(r0["uneven"], r0["single"])  # 24 + 8 samples against the 32
+    assert_equal_to_rounding(r0["uneven_stats"], r0["single_stats"])  # the statistics too
+    assert_equal_to_rounding(r0["uneven_accum"], r0["single"])
+    assert torch.equal(r0["uneven"], r1["uneven"])
 
 
 def test_grad_accum_gradient_equals_one_micro_batch_gradient(tmp_path_factory):

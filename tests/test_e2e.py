@@ -177,3 +177,15 @@ def test_ranks_launched_with_different_flags_all_refuse_naming_flags_and_ranks(t
         assert f"error [rank {rank}]: ranks were launched with different flags: " in stderr
         assert "--update-epochs (rank 0: 1, rank 1: 2)" in stderr
         assert "exitcode  : 2 " in stderr  # fail()'s own code, not SIGABRT at interpreter exit
+
+
+def test_uneven_ranks_train_together_on_their_own_env_counts(run_trainer, tmp_path):
+    # --rank-envs 3 1: the ranks differ in local sizes (not refused as different flags), every
+    # iteration counts the 4 envs of both, and the replicas take the same steps
+    at = TINY.index("--local-num-envs")
+    flags = TINY[:at] + TINY[at + 2 :]
+    out = run_trainer(*flags, "--rank-envs", 3, 1, "--total-timesteps", 256, "--run-name", "un",
+                      "--eval-episodes", 0, nproc=2)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "rank_envs [3, 1]" in out.stdout and "replicas identical: True" in out.stdout
+    assert "iter 2/2 | step 256 |" in out.stdout  # (3 + 1) envs x 32 steps an iteration

@@ -179,6 +179,10 @@ def test_every_env_of_every_rank_gets_a_distinct_seed():
     flat = [s for rank_seeds in per_rank for s in rank_seeds]
     assert len(set(flat)) == len(flat), "two envs share a seed"
     assert flat == list(range(seed, seed + ranks * local_num_envs)), "seeds are not contiguous"
+    split = [5, 1, 8, 2]  # --rank-envs: uneven ranks still tile one contiguous range
+    uneven = [trainer.env_seeds(seed, rank, n, split) for rank, n in enumerate(split)]
+    assert [len(s) for s in uneven] == split
+    assert [s for rank_seeds in uneven for s in rank_seeds] == list(range(seed, seed + 16))
 
     # the seeds actually change the games: 6 fresh envs (as in the trainer's first reset) start
     # after different numbers of random no-ops, and the same seed reproduces the same start

@@ -76,3 +76,35 @@ def test_inconsistent_sizes_are_refused_with_a_message_naming_flags_and_numbers(
         resolve(world_size, **flags)
     for word in words:
         assert word in str(err.value)
+
+
+def test_rank_envs_give_each_rank_its_sizes_and_the_same_minibatch_count():
+    ranks = [resolve_sizes(Args(rank_envs=[6, 2], num_steps=32), 2, rank) for rank in (0, 1)]
+    assert [(a.local_num_envs, a.local_batch_size, a.local_minibatch_size) for a in ranks] == [
+        (6, 192, 48),
+        (2, 64, 16),
+    ]
+    for a in ranks:  # the global sizes are the same on every rank
+        assert (a.num_envs, a.batch_size, a.num_minibatches, a.minibatch_size) == (8, 256, 4, 64)
+    even = resolve_sizes(Args(rank_envs=[4, 4], num_steps=32), 2, 1)
+    plain = resolve(world_size=2, local_num_envs=4, num_steps=32)
+    assert {**vars(even), "rank_envs": None} == vars(plain)  # an even split is today's run
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (dict(rank_envs=[4, 2, 2]), ["--rank-envs 4 2 2", "one count per rank", "world size 2"]),
+        (dict(rank_envs=[8, 0]), ["--rank-envs 8 0", "at least 1 env"]),
+        (dict(rank_envs=[6, 2], num_envs=6), ["--rank-envs 6 2", "--num-envs 6"]),
+        (dict(rank_envs=[6, 2], local_num_envs=4), ["--rank-envs", "drop --local-num-envs"]),
+        (dict(rank_envs=[6, 1], num_steps=2), ["--num-minibatches 4", "rank 1", "1 envs x 2"]),
+        (dict(rank_envs=[6, 2], grad_accum=3), ["--grad-accum 3", "rank 1", "2 envs x 128"]),
+    ],
+)
+def test_rank_envs_that_do_not_fit_are_refused_naming_the_flag_and_the_numbers(flags, words):
+    for rank in (0, 1):  # the same verdict on every rank
+        with pytest.raises(ValueError) as err:
+            resolve_sizes(Args(**flags), 2, rank)
+        for word in words:
+            assert word in str(err.value)
