@@ -40,3 +40,32 @@ def test_gae_matches_per_episode_reference_with_dones_mid_rollout():
     expected = reference_gae(rewards, values, starts, last_value, last_start, gamma, lam)
     np.testing.assert_allclose(adv.numpy(), expected, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(ret.numpy(), expected + values, rtol=1e-10, atol=1e-10)
+
+
+def torch_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
+    """The trainer's GAE as torch ops (CleanRL's loop, before it moved to numpy on the host)."""
+    advantages = torch.zeros_like(rewards)
+    lastgaelam = 0
+    for t in reversed(range(rewards.shape[0])):
+        if t == rewards.shape[0] - 1:
+            nextnonterminal, nextvalues = 1.0 - next_done, next_value
+        else:
+            nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
+        delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
+        advantages[t] = lastgaelam = delta + gamma * gae_lambda * nextnonterminal * lastgaelam
+    return advantages, advantages + values
+
+
+def test_gae_on_the_host_gives_the_torch_loops_float32_numbers_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    T, N = 128, 8  # the trainer's rollout of one rank, float32 as it stores it
+    rewards = torch.randint(-1, 2, (T, N), generator=g).float()  # clipped rewards
+    values = torch.randn(T, N, generator=g)
+    dones = (torch.rand(T, N, generator=g) < 0.05).float()
+    next_value, next_done = torch.randn(1, N, generator=g), torch.tensor([1.0] + [0.0] * (N - 1))
+    for gamma, lam in ((0.99, 0.95), (0.997, 0.9)):
+        flags = (rewards, values, dones, next_value, next_done, gamma, lam)
+        adv, ret = compute_gae(*flags)
+        ref_adv, ref_ret = torch_gae(*flags)
+        assert adv.dtype == torch.float32 and adv.shape == (T, N)
+        assert torch.equal(adv, ref_adv) and torch.equal(ret, ref_ret)
