@@ -425,18 +425,18 @@ class GradBuckets:
     def ready(self, p):  # p.grad is final for this minibatch
         if self.armed:
             self.left[self.owner[p]] -= 1
-            self.launch(lambda k: self.left[k] == 0)
+            self.launch()
 
-    def launch(self, ready):
-        while len(self.works) < len(self.views) and ready(len(self.works)):
-            view, wire = self.views[len(self.works)], self.wires[len(self.works)]
+    def launch(self, everything=False):  # the next buckets in order, while they are complete
+        while (k := len(self.works)) < len(self.views) and (everything or self.left[k] == 0):
+            view, wire = self.views[k], self.wires[k]
             if wire is not view:
                 wire.copy_(view.div_(self.world_size))
             self.works.append(dist.all_reduce(wire, async_op=True))
 
     def wait(self):  # after backward: launch what is left, wait for all, average
         self.armed = False
-        self.launch(lambda k: True)
+        self.launch(everything=True)
         for work, view, wire in zip(self.works, self.views, self.wires):
             work.wait()
             if wire is view:
@@ -520,7 +520,7 @@ def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
             need(envs * steps % (n_mb * k) == 0, f"{msg} ({envs} envs x {steps} steps)")
         args.local_num_envs, args.num_steps, args.num_minibatches = split[rank], steps, n_mb
     envs, steps, lbs = args.local_num_envs, args.num_steps, args.local_batch_size
-    if args.num_envs is not None and args.rank_envs is None:
+    if args.num_envs is not None and split is None:
         need(
             args.num_envs % world_size == 0,
             f"--num-envs {args.num_envs} is not divisible by the world size {world_size}",
@@ -562,7 +562,7 @@ def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
         mbs % args.grad_accum == 0,
         f"--grad-accum {args.grad_accum} does not divide --local-minibatch-size {mbs}",
     )
-    total = sum(args.rank_envs) if args.rank_envs else envs * world_size
+    total = sum(split) if split else envs * world_size
     need(
         args.total_timesteps >= total * steps,
         f"--total-timesteps {args.total_timesteps} is less than one rollout of all ranks "
@@ -1898,7 +1898,6 @@ if __name__ == "__main__":
         report = {
             "episodes": episodes,
             "ev": explained_var,
-            "samples": args.local_batch_size,
             "times": times,
             "rng": checkpointer.rng_state(),
             "stop": preemption.signalled,  # a scheduler's warning signal on this rank
@@ -1920,12 +1919,9 @@ if __name__ == "__main__":
             stats["clipfrac"] = clipfrac_sum.item() / num_updates  # mean over the iteration
             for name, value in stats.items():
                 writer.add_scalar(f"losses/{name}", value, global_step)
-            ok = [r for r in reports if not np.isnan(r["ev"])]  # sample-weighted over ranks
-            ev = (
-                np.average([r["ev"] for r in ok], weights=[r["samples"] for r in ok])
-                if ok
-                else np.nan
-            )
+            evs = np.array([r["ev"] for r in reports])  # weighted by each rank's samples
+            ok, envs_of = ~np.isnan(evs), np.array(args.rank_envs or [1] * world_size)
+            ev = np.average(evs[ok], weights=envs_of[ok]) if ok.any() else np.nan
             writer.add_scalar("losses/explained_variance", ev, global_step)
             writer.add_scalar("charts/SPS", sps, global_step)
             imbalance = log_perf(writer, reports, global_step)

@@ -32,8 +32,8 @@ from throughput import (  # noqa: E402
     TRAINER,
     error_line,
     fmt_range,
+    kill_tree,
     load_trainer,
-    process_tree,
     read_run,
 )
 
@@ -153,11 +153,7 @@ def run_pair(link, mode, rep, a, cores, tmp, port):
 
 def kill(procs):
     for p in procs:
-        for pid in process_tree(p.pid):  # torchrun starts its rank in a session of its own
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(p.pid)  # torchrun starts its rank in a session of its own
         p.wait()
 
 

@@ -245,6 +245,14 @@ def process_tree(root):
     return tree
 
 
+def kill_tree(root):
+    for pid in process_tree(root):  # parents first: none can start a replacement child
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_bounded(cmd, cwd, timeout, foreign=False):
     """(returncode, stdout, stderr); a run past `timeout` is killed with all its descendants
     (torchrun's ranks). foreign: another interpreter (the reference's), which must not see this
@@ -266,11 +274,7 @@ def run_bounded(cmd, cwd, timeout, foreign=False):
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
     except subprocess.TimeoutExpired:
-        for pid in process_tree(proc.pid):  # parents first: none can start a replacement child
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         return -9, out, err + f"\ntimed out after {timeout}s"
 
