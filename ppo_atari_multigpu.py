@@ -117,6 +117,8 @@ class Args:
     """split each local minibatch into this many micro-batches (less memory, same gradient)"""
     rank_envs: Optional[list[int]] = None
     """envs of each rank, e.g. `--rank-envs 6 2` for uneven nodes (default: the same on all)"""
+    balance_envs: bool = False
+    """move envs from slow ranks to fast ones as they train (README "Uneven ranks")"""
 
     # Distributed (README "Launching")
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -290,6 +292,19 @@ class Agent(nn.Module):
             if action is None:
                 action = probs.sample()
             return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
+
+
+def start_rollouts(envs, args, seed, rank, device):
+    """Fresh games on this rank's envs (seeds distinct over ranks) and empty rollout buffers of
+    their size. Observations stay uint8: a float copy would be 4x the memory."""
+    shape = (args.num_steps, args.local_num_envs)
+    obs = frame_buffer(shape + envs.single_observation_space.shape, args.channels_last, device)
+    actions = torch.zeros(shape, dtype=torch.long, device=device)
+    logprobs, rewards, dones, values = (torch.zeros(shape, device=device) for _ in range(4))
+    seeds = env_seeds(seed, rank, args.local_num_envs, args.rank_envs)
+    next_obs = upload(envs.reset(seeds), device)
+    next_done = torch.zeros(args.local_num_envs, device=device)
+    return (obs, actions, logprobs, rewards, dones, values), next_obs, next_done
 
 
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
@@ -568,6 +583,8 @@ def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
         f"--total-timesteps {args.total_timesteps} is less than one rollout of all ranks "
         f"({total * steps} = {total} envs x {steps} steps)",
     )
+    if args.balance_envs and world_size > 1 and split is None:  # the even split to start from
+        args.rank_envs = [envs] * world_size
     args.local_num_envs, args.num_envs, args.num_steps = envs, total, steps
     args.local_batch_size, args.local_minibatch_size, args.num_minibatches = lbs, mbs, n_mb
     args.world_size, args.batch_size = world_size, total * steps
@@ -619,6 +636,7 @@ def check_args(args: Args, world_size: int, rank: int = 0):
         ("pg_timeout", world_size == 1, "in a single process"),
         ("bucket_mb", world_size == 1, "in a single process"),
         ("allreduce_fp16", world_size == 1, "in a single process"),
+        ("balance_envs", world_size == 1, "in a single process"),
         ("wandb_project_name", not args.track, "without --track"),
         ("wandb_entity", not args.track, "without --track"),
     )
@@ -983,7 +1001,7 @@ class Checkpointer:
     def __init__(self, args: Args, run_name, rank, world_size, device):
         self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
         self.rank, self.world_size, self.cuda = rank, world_size, device.type == "cuda"
-        self.elapsed_before, self.save_error, self.lock = 0.0, None, None
+        self.elapsed_before, self.save_error, self.lock, self.split = 0.0, None, None, None
         self.start = self.last_save = time.time()
 
     def claim(self):
@@ -1053,6 +1071,7 @@ class Checkpointer:
         if ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
         same_world = ckpt["world_size"] == self.world_size
+        self.split = ckpt["args"].get("rank_envs") if same_world else None  # --balance-envs
         if same_world:
             set_rng_state(ckpt["rng"][self.rank])
         self.elapsed_before = ckpt["elapsed"]
@@ -1325,7 +1344,7 @@ class RankEnvs:
     with the policy and steps every env, so the rollout reads the same for every choice."""
 
     def __init__(self, args: Args, run_name, capture_video):
-        n = args.local_num_envs
+        self.num_envs = n = args.local_num_envs
         self.groups = [range(n)] if not args.async_envs else [range(n // 2), range(n // 2, n)]
         if args.env_backend == "native":
             threads = torch.get_num_threads()
@@ -1518,6 +1537,10 @@ def time_shares(times):
     return {name: seconds / total for name, seconds in parts.items()}
 
 
+def busy_seconds(times):
+    return times["rollout"] + times["update"] - times["allreduce"]
+
+
 def load_imbalance(busy_seconds):
     """(slowest rank's busy time over the mean, that rank). Busy = the iteration without the
     collectives, because waiting in them makes every rank's wall time the slowest one's."""
@@ -1610,20 +1633,82 @@ def clock(seconds):
     return str(datetime.timedelta(seconds=int(seconds)))
 
 
-def log_perf(writer, reports, global_step):
-    """perf/* tags of every rank: seconds, shares of the iteration, memory, and the imbalance."""
-    busy = []
+def log_perf(writer, reports, global_step, split):
+    """perf/* tags of every rank: seconds, shares of the iteration, memory, envs, imbalance."""
     for r, rep in enumerate(reports):
+        writer.add_scalar(f"perf/envs/rank{r}", split[r], global_step)
         for key, seconds in rep["times"].items():
             writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
         for key, share in time_shares(rep["times"]).items():
             writer.add_scalar(f"perf/share_{key}/rank{r}", share, global_step)
         for key, value in rep["resources"].items():
             writer.add_scalar(f"perf/{key}/rank{r}", value, global_step)
-        busy.append(rep["times"]["rollout"] + rep["times"]["update"] - rep["times"]["allreduce"])
-    imbalance = load_imbalance(busy)
+    imbalance = load_imbalance([busy_seconds(rep["times"]) for rep in reports])
     writer.add_scalar("perf/imbalance", imbalance[0], global_step)
     return imbalance
+
+
+# ---- BALANCE: --balance-envs moves envs from slower ranks to faster ones (README "Uneven ranks") -
+BALANCE_AT, BALANCE_FOR, BALANCE_EVERY = 1.10, 3, 4  # move when the imbalance stayed above 1.10
+# for 3 iterations (the one after a start or a move warms up), never within 4 of the last move,
+BALANCE_GAIN = 0.05  # and only for a split predicted to cut the slowest rank's time by 5%
+
+
+class Balancer:
+    """Every rank runs the same decision on the same all-gathered times, so all apply it alike
+    (no broadcast). A rank's speed is its envs over its busy seconds; the new split gives each
+    granule of envs to the rank that would finish it first. num_envs, so the global batch and
+    every minibatch, stays: only which rank plays which games changes."""
+
+    def __init__(self, args: Args, world_size):
+        self.on, self.seen = args.balance_envs and world_size > 1, []
+        k = args.num_minibatches * args.grad_accum  # every rank's batch must split into these
+        self.granule = k // math.gcd(args.num_steps, k)
+        self.least = self.granule * math.ceil((2 if args.async_envs else 1) / self.granule)
+
+    def fits(self, split, args: Args):
+        return (
+            self.on
+            and split is not None
+            and len(split) == len(args.rank_envs)
+            and sum(split) == args.num_envs
+            and all(n >= self.least and n % self.granule == 0 for n in split)
+        )
+
+    def decide(self, split, busy):
+        """(new split, imbalance, predicted imbalance) after this iteration's busy seconds, or
+        None: no move."""
+        if not self.on:
+            return None
+        self.seen.append(busy)
+        window = self.seen[1:][-BALANCE_FOR:]
+        if len(self.seen) < BALANCE_EVERY or len(window) < BALANCE_FOR:
+            return None
+        if min(load_imbalance(b)[0] for b in window) <= BALANCE_AT:
+            return None
+        seconds = [sum(b[r] for b in window) for r in range(len(split))]
+        speed = [n / t for n, t in zip(split, seconds)]
+        new = [self.least] * len(split)
+        for _ in range((sum(split) - sum(new)) // self.granule):
+            r = min(range(len(new)), key=lambda r: (new[r] + self.granule) / speed[r])
+            new[r] += self.granule
+        then = [n / v for n, v in zip(new, speed)]
+        if max(then) > (1 - BALANCE_GAIN) * max(seconds):
+            return None
+        self.seen = []
+        return new, load_imbalance(seconds)[0], load_imbalance(then)[0]
+
+
+def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
+    """Apply a split on this rank: its local sizes, and new envs if its own count changed (fresh
+    games: start_rollouts gives them seeds). Returns (envs, whether they are new)."""
+    args.rank_envs, n = list(split), split[rank]
+    args.local_num_envs, args.local_batch_size = n, n * args.num_steps
+    args.local_minibatch_size = args.local_batch_size // args.num_minibatches
+    if envs.num_envs == n:
+        return envs, False
+    envs.close()
+    return RankEnvs(args, run_name, capture_video), True
 
 
 # ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
@@ -1744,7 +1829,8 @@ if __name__ == "__main__":
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     # env setup
-    envs = RankEnvs(args, run_name, args.capture_video and master_process)
+    video = args.capture_video and master_process
+    envs = RankEnvs(args, run_name, video)
 
     agent = Agent(envs.single_action_space.n).to(device)
     if distributed:  # every replica starts from rank 0's weights
@@ -1776,23 +1862,20 @@ if __name__ == "__main__":
             "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{k}|{v}|" for k, v in vars(args).items()])),
         )
 
-    # ALGO Logic: Storage setup (observations stay uint8: a float copy would be 4x the memory)
-    obs_shape = (args.num_steps, args.local_num_envs) + envs.single_observation_space.shape
-    obs = frame_buffer(obs_shape, args.channels_last, device)
-    actions = torch.zeros((args.num_steps, args.local_num_envs), dtype=torch.long, device=device)
-    logprobs = torch.zeros((args.num_steps, args.local_num_envs), device=device)
-    rewards = torch.zeros((args.num_steps, args.local_num_envs), device=device)
-    dones = torch.zeros((args.num_steps, args.local_num_envs), device=device)
-    values = torch.zeros((args.num_steps, args.local_num_envs), device=device)
+    balancer = Balancer(args, world_size)
+    if balancer.fits(checkpointer.split, args):  # --balance-envs resumes from the saved split
+        envs, _ = resize_envs(envs, args, checkpointer.split, rank, run_name, video)
+        if master_process:
+            print(f"envs {' '.join(map(str, args.rank_envs))}: the split saved in the checkpoint")
+
+    # ALGO Logic: Storage setup; a resumed run gets fresh games, with seeds no earlier start used
+    storage, next_obs, next_done = start_rollouts(envs, args, args.seed + global_step, rank, device)
+    obs, actions, logprobs, rewards, dones, values = storage
 
     recent_returns = deque(maxlen=100)
     num_episodes = 0
     progress = Progress(args, global_step)
     collective_clock = CollectiveClock(device)
-    # a resumed run gets fresh envs with seeds no earlier start used
-    seeds = env_seeds(args.seed + global_step, rank, args.local_num_envs, args.rank_envs)
-    next_obs = upload(envs.reset(seeds), device)
-    next_done = torch.zeros(args.local_num_envs, device=device)
 
     for iteration in range(start_iteration, args.num_iterations + 1):
         if args.anneal_lr:
@@ -1919,18 +2002,32 @@ if __name__ == "__main__":
             stats["clipfrac"] = clipfrac_sum.item() / num_updates  # mean over the iteration
             for name, value in stats.items():
                 writer.add_scalar(f"losses/{name}", value, global_step)
+            split = args.rank_envs or [args.local_num_envs] * world_size
             evs = np.array([r["ev"] for r in reports])  # weighted by each rank's samples
-            ok, envs_of = ~np.isnan(evs), np.array(args.rank_envs or [1] * world_size)
-            ev = np.average(evs[ok], weights=envs_of[ok]) if ok.any() else np.nan
+            ok = ~np.isnan(evs)
+            ev = np.average(evs[ok], weights=np.array(split)[ok]) if ok.any() else np.nan
             writer.add_scalar("losses/explained_variance", ev, global_step)
             writer.add_scalar("charts/SPS", sps, global_step)
-            imbalance = log_perf(writer, reports, global_step)
+            imbalance = log_perf(writer, reports, global_step, split)
             progress.add(reports)
             line = progress.line(
                 iteration, global_step, sps, recent_returns, num_episodes, imbalance
             )
             if line:
                 print(line, flush=True)
+
+        # ---- balance (--balance-envs): every rank decides alike from the gathered times ----
+        if moved := balancer.decide(args.rank_envs, [busy_seconds(r["times"]) for r in reports]):
+            if master_process:
+                old, new = (" ".join(map(str, s)) for s in (args.rank_envs, moved[0]))
+                print(
+                    f"envs {old} -> {new}, imbalance {moved[1]:.2f} -> {moved[2]:.2f} (predicted)"
+                )
+            envs, rebuilt = resize_envs(envs, args, moved[0], rank, run_name, video)
+            if rebuilt:
+                seed = args.seed + global_step
+                storage, next_obs, next_done = start_rollouts(envs, args, seed, rank, device)
+                obs, actions, logprobs, rewards, dones, values = storage
 
         # ---- checkpoint; on a preemption signal (any rank) all ranks stop after this save ----
         stopped = [f"rank {r}: {rep['stop']}" for r, rep in enumerate(reports) if rep["stop"]]
