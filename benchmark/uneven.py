@@ -5,7 +5,8 @@ Two torchrun nodes on loopback (static rendezvous, so node k is rank k), one ran
 to a core of its own with taskset. "hog" runs a CPU-bound process on rank 1's core, so rank 1
 runs at about half speed; "none" leaves the machine alone. A split is the trainer's env counts
 of the 8 envs: "equal" (4 + 4, the default), "A,B" (`--rank-envs A B`) or "auto"
-(`--balance-envs`). Runs alternate (load x split, then again), so drift hits every row alike.
+(`--balance-envs`). Runs alternate (load x split, then again in reverse order), so drift and
+position hit every row alike.
 Writes a markdown table (SPS after warm-up, x the equal split under the same load, the split
 at the end, each rank's busy seconds per iteration, the imbalance) to stdout and to
 benchmark/results/uneven-<host>.md; progress on stderr. The hog is stopped at the end, on an
@@ -151,8 +152,10 @@ def report(a, results, started, cores):
         for split in a.splits:
             runs = results.get((load, split), [])
             ok = [r for r in runs if "sps" in r]
+            if not runs:
+                continue  # not measured under this load
             if not ok:
-                errors = "; ".join(r["error"] for r in runs if "error" in r) or "not run"
+                errors = "; ".join(r["error"] for r in runs if "error" in r)
                 md.append(f"| {load} | {split} | failed: {errors} | | | | | |")
                 continue
             sps = [r["sps"] for r in ok]
@@ -219,7 +222,8 @@ def main():
                 if load == "hog":
                     cmd = ["taskset", "-c", str(cores[1]), sys.executable, "-c", HOG]
                     hog = subprocess.Popen(cmd, start_new_session=True)
-                for split in a.splits if load == "hog" else a.unloaded_splits:
+                splits = a.splits if load == "hog" else a.unloaded_splits
+                for split in splits if rep % 2 == 0 else splits[::-1]:  # ABBA: no order bias
                     port += 1  # a fresh rendezvous port each run: no TIME_WAIT clashes
                     r = run_pair(split, rep, load, a, cores, tmp, port)
                     results.setdefault((load, split), []).append(r)

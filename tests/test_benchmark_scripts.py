@@ -268,3 +268,38 @@ def test_slow_link_table_has_every_row_with_its_ratio_to_the_unshaped_default(tm
     assert rows["1gbit", overlap].endswith("| 1.000 | 0.25 |")  # all-reduce s, its share of 4 s
     assert "failed: boom" in rows["1gbit", one]
     assert "1gbit 1.02 s of transfer per iteration" in md  # 16 x 8 MB at 1 Gbit/s
+
+
+def test_uneven_splits_become_trainer_flags_and_the_table_compares_each_with_equal():
+    import argparse
+    import datetime
+
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    import uneven
+
+    assert uneven.split_flags("equal") == [] and uneven.split_flags("auto") == ["--balance-envs"]
+    assert uneven.split_flags("5,3") == ["--rank-envs", "5", "3"]
+    for bad in ("5,2", "8", "a,b", "0,8"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            uneven.split_flags(bad)
+
+    def run(sps, end):
+        busy = [np.array([2.0, 2.0]), np.array([4.0, 4.0])]
+        return {"sps": sps, "busy": busy, "imbalance": np.array([1.3, 1.3]),
+                "splits": np.array([[4, 4], end]), "moves": []}  # fmt: skip
+
+    results = {
+        ("hog", "equal"): [run(200.0, [4, 4]), run(220.0, [4, 4])],
+        ("hog", "auto"): [run(260.0, [6, 2]), run(286.0, [6, 2])],
+        ("hog", "6,2"): [{"error": "boom"}],
+    }
+    results["hog", "auto"][0]["moves"] = ["envs 4 4 -> 6 2, imbalance 1.35 -> 1.18 (predicted)"]
+    a = argparse.Namespace(host="h", repeats=2, iterations=30, env_id="E", loads=["hog"],
+                           splits=["equal", "6,2", "auto"])  # fmt: skip
+    md = uneven.report(a, results, datetime.datetime.now().astimezone(), (0, 1))
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in md.splitlines()}
+    assert "| 1.30 (1.30–1.30) | 6 + 2 | 2.00 / 4.00 | 1.30 |" in rows["hog", "auto"]
+    assert "failed: boom" in rows["hog", "6,2"]
+    assert "envs 4 4 -> 6 2, imbalance 1.35 -> 1.18 (predicted)" in md
