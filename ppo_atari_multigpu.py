@@ -24,6 +24,7 @@ import os
 import random
 import resource
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -161,7 +162,9 @@ class Args:
     amp: Literal["none", "bf16", "fp16"] = "none"
     """autocast precision for rollout and update (fp16 adds a GradScaler); changes the numbers"""
     compile: bool = False
-    """torch.compile the convolutional trunk"""
+    """torch.compile the policy step and the update's forward and backward (opt-in: rounding)"""
+    cuda_graphs: bool = False
+    """with --compile on CUDA: replay the compiled step as CUDA graphs (fewer kernel launches)"""
     env_backend: Literal["sync", "native"] = "sync"
     """sync: gymnasium SyncVectorEnv in this process; native: ale-py's C++ AtariVectorEnv"""
     async_envs: bool = False
@@ -293,6 +296,14 @@ class Agent(nn.Module):
                 action = probs.sample()
             return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
 
+    def act(self, x):
+        """The rollout's step: get_action_and_value's numbers without the entropy it discards."""
+        hidden = self.hidden(x)
+        with torch.autocast(x.device.type, enabled=False):
+            probs = Categorical(logits=self.actor(hidden), validate_args=False)
+            action = probs.sample()
+            return action, probs.log_prob(action), self.critic(hidden)
+
 
 def start_rollouts(envs, args, seed, rank, device):
     """Fresh games on this rank's envs (seeds distinct over ranks) and empty rollout buffers of
@@ -411,9 +422,11 @@ class GradBuckets:
     sum a + b whatever the bucket, so the numbers are bit-identical to one all-reduce of the
     whole buffer (tested); with more ranks a bucket may be summed in another order (rounding).
     fp16: each gradient bucket travels as fp16 (the average: divided before the cast, so the
-    sum cannot grow past fp16's range with the world size); the statistics stay fp32."""
+    sum cannot grow past fp16's range with the world size); the statistics stay fp32. host:
+    the buckets travel through (pinned) host copies, as gloo with CUDA tensors (ranks sharing
+    a GPU) needs: PyTorch no longer tests gloo on CUDA tensors. Default: exactly then."""
 
-    def __init__(self, params, flat, bucket_mb, world_size, fp16=False):
+    def __init__(self, params, flat, bucket_mb, world_size, fp16=False, host=None):
         self.world_size, self.views, self.sizes, self.owner = world_size, [], [], {}
         cap = bucket_mb * 2**20 / flat.element_size() if bucket_mb > 0 else math.inf
         starts = np.cumsum([0] + [p.numel() for p in params])
@@ -428,7 +441,16 @@ class GradBuckets:
                 self.views.append(flat[starts[i] : end])
                 self.sizes.append(count)
                 end, count = starts[i], 0
-        self.wires = [v.half() if fp16 and self.sizes[k] else v for k, v in enumerate(self.views)]
+        if host is None:
+            host = flat.is_cuda and world_size > 1 and dist.get_backend() == "gloo"
+        self.early = [fp16 and n > 0 for n in self.sizes]  # fp16: averaged before the cast
+        self.wires = []
+        for view, early in zip(self.views, self.early):
+            dtype = torch.half if early else view.dtype
+            if host:
+                self.wires.append(torch.empty(view.shape, dtype=dtype, pin_memory=flat.is_cuda))
+            else:
+                self.wires.append(view if dtype == view.dtype else view.half())
         if world_size > 1 and len(self.views) > 1:
             for p in params:
                 p.register_post_accumulate_grad_hook(self.ready)
@@ -445,19 +467,21 @@ class GradBuckets:
     def launch(self, everything=False):  # the next buckets in order, while they are complete
         while (k := len(self.works)) < len(self.views) and (everything or self.left[k] == 0):
             view, wire = self.views[k], self.wires[k]
+            if self.early[k]:
+                view.div_(self.world_size)
             if wire is not view:
-                wire.copy_(view.div_(self.world_size))
+                wire.copy_(view)  # to the host: a blocking copy, so gloo reads the final bytes
             self.works.append(dist.all_reduce(wire, async_op=True))
 
     def wait(self):  # after backward: launch what is left, wait for all, average
         self.armed = False
         self.launch(everything=True)
-        for work, view, wire in zip(self.works, self.views, self.wires):
+        for work, view, wire, early in zip(self.works, self.views, self.wires, self.early):
             work.wait()
-            if wire is view:
-                view /= self.world_size  # SUM, then divide: gloo has no AVG
-            else:
+            if wire is not view:
                 view.copy_(wire)
+            if not early:
+                view /= self.world_size  # SUM, then divide: gloo has no AVG
 
 
 def minibatch_gradient(
@@ -614,6 +638,13 @@ def check_args(args: Args, world_size: int, rank: int = 0):
         )
     if args.capture_video and args.env_backend == "native":
         raise ValueError("--capture-video records through gymnasium: use --env-backend sync")
+    cxx = os.environ.get("CXX", "g++")  # inductor builds its CPU kernels (and Triton's) with it
+    if args.compile and not shutil.which(cxx):
+        raise ValueError(f"--compile needs a C++ compiler: {cxx} is not on PATH (install g++)")
+    if args.compile and not torch._dynamo.is_dynamo_supported():
+        raise ValueError(f"--compile: torch {torch.__version__} cannot compile on this Python")
+    if args.cuda_graphs and not (args.compile and args.cuda and torch.cuda.is_available()):
+        raise ValueError("--cuda-graphs replays the compiled step on a GPU: needs --compile, CUDA")
     if args.eval_checkpoint and args.eval_episodes < 1:
         raise ValueError(f"--eval-checkpoint needs --eval-episodes >= 1, got {args.eval_episodes}")
     # every other numeric flag's range (the sizes are resolve_sizes'); NaN and inf fail each test
@@ -705,6 +736,16 @@ def cpu_threads(local_world_size):
     """Cores of this node per rank: torchrun's OMP_NUM_THREADS=1 would leave cores idle."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // local_world_size)
+
+
+def thread_counts(args: Args, device, local_world_size):
+    """(torch threads, ale-py threads per env group). On CPU both share the rank's cores (as
+    measured). On CUDA torch's host work is small (GAE in numpy, copies) and the emulators are
+    the CPU's real work: torch gets 1 thread, the native envs the cores (split by two groups)."""
+    cores = cpu_threads(local_world_size)
+    if device.type != "cuda":
+        return args.threads or cores, args.threads or cores
+    return args.threads or 1, max(1, cores // (2 if args.async_envs else 1))
 
 
 def init_distributed(backend, rank, world_size, pg_timeout):
@@ -1188,7 +1229,7 @@ def evaluate(agent, env_id, episodes, device, capture_video, run_name, seed, max
     while min(len(g) for g in games) < quota:
         with torch.inference_mode():
             obs = torch.as_tensor(next_obs, device=device)
-            action, _, _, _ = agent.get_action_and_value(obs)
+            action = Agent.act(agent, obs)[0]  # eager: --compile would compile this batch size
         next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
         if "final_info" in infos and "episode" in infos["final_info"]:
             for i in np.flatnonzero(infos["final_info"]["_episode"]):
@@ -1343,12 +1384,12 @@ class RankEnvs:
     """This rank's envs: one group, or two for --async-envs; sync or native backend. step() acts
     with the policy and steps every env, so the rollout reads the same for every choice."""
 
-    def __init__(self, args: Args, run_name, capture_video):
+    def __init__(self, args: Args, run_name, capture_video, threads=None):
         self.num_envs = n = args.local_num_envs
         self.groups = [range(n)] if not args.async_envs else [range(n // 2), range(n // 2, n)]
+        self.threads = threads or torch.get_num_threads()  # ale-py's, per group (native)
         if args.env_backend == "native":
-            threads = torch.get_num_threads()
-            self.envs = [NativeVectorEnv(args.env_id, len(g), threads) for g in self.groups]
+            self.envs = [NativeVectorEnv(args.env_id, len(g), self.threads) for g in self.groups]
         else:
             # SAME_STEP: no fake transition after an episode end (gymnasium 1.x's default)
             kw = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
@@ -1371,10 +1412,10 @@ class RankEnvs:
         return np.concatenate(frames)
 
     def step(self, policy, obs):
-        """Act on `obs` with `policy` and step the envs. Returns (action, logprob, value) and
-        gymnasium's (obs, reward, terminated, truncated, infos)."""
+        """Act on `obs` with `policy` (Agent.act) and step the envs. Returns (action, logprob,
+        value) and gymnasium's (obs, reward, terminated, truncated, infos)."""
         if len(self.envs) == 1:
-            action, logprob, _, value = policy(obs)
+            action, logprob, value = policy(obs)
             action_np = action.cpu().numpy()
             t = time.perf_counter()
             result = self.envs[0].step(action_np)
@@ -1384,7 +1425,7 @@ class RankEnvs:
         # on-policy: every action comes from the same weights.
         outs = []
         for env, g in zip(self.envs, self.groups):
-            action, logprob, _, value = policy(obs[g.start : g.stop])
+            action, logprob, value = policy(obs[g.start : g.stop])
             env.step_async(action.cpu().numpy())
             outs.append((action, logprob, value))
         t = time.perf_counter()
@@ -1424,8 +1465,13 @@ def speed_up(agent, args: Args):
         # output (channels-last) differ in layout
         agent.network[5].register_forward_pre_hook(lambda _, inputs: (inputs[0].contiguous(),))
     if args.compile:
-        # compile the forward only: the module, its state_dict keys and checkpoints stay as they are
-        agent.network.forward = torch.compile(agent.network.forward)
+        # The rollout's policy step and the update's network + heads (AOTAutograd compiles the
+        # backward too), frame conversion included. Fixed shapes (dynamic=False): one graph per
+        # batch size, none per iteration. Instance attributes: the module, its state_dict keys
+        # and checkpoints stay as they are; get_value stays eager (its batch sizes vary).
+        mode = "reduce-overhead" if args.cuda_graphs else None  # inductor's CUDA graphs
+        for name in ("act", "get_action_and_value"):
+            setattr(agent, name, torch.compile(getattr(agent, name), dynamic=False, mode=mode))
     return agent
 
 
@@ -1471,6 +1517,34 @@ def upload(array, device):
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+class StepUpload:
+    """A step's frames, rewards and dones to the device in ONE copy (on CUDA three pinned copies
+    and two cast kernels otherwise): packed into one reused host buffer, pinned on CUDA, with
+    rewards as float32 and dones as 0/1 floats, as the storage holds them (the same casts). On CPU
+    the tensors returned are views of that buffer, valid until the next call."""
+
+    def __init__(self, device):
+        self.device, self.host, self.copied = device, None, None
+
+    def __call__(self, frames, reward, done):
+        n, size = len(frames), frames.size
+        if self.host is None or self.host.numel() != size + 8 * n:  # first, or --balance-envs
+            cuda = self.device.type == "cuda"
+            self.host = torch.empty(size + 8 * n, dtype=torch.uint8, pin_memory=cuda)
+        elif self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has read the buffer
+        self.host[:size].view(frames.shape).copy_(torch.from_numpy(frames))
+        floats = self.host[size:].view(torch.float32)
+        floats[:n].copy_(torch.from_numpy(reward))
+        floats[n:].copy_(torch.from_numpy(done))
+        out = self.host.to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        floats = out[size:].view(torch.float32)
+        return out[:size].view(frames.shape), floats[:n], floats[n:]
+
+
 def precision(args: Args, device):
     """One autocast context for rollout and update, and a GradScaler that is active for fp16
     only: the loop has no precision branches (disabled, both leave every number unchanged)."""
@@ -1509,18 +1583,26 @@ def host_rss_gb():
         return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-def rank_resources(device):
-    """Host RSS; on CUDA the peak memory allocated / reserved since the last call, and the GPU's
-    utilization where NVIDIA's management library (pynvml) is importable."""
+def gpu_util(device):
+    """NVML's utilization: % of its last sample period (1/6 to 1 s) with a kernel running. None
+    off CUDA, or without NVIDIA's management library (pynvml) and a driver that has NVML."""
+    try:
+        return float(torch.cuda.utilization(device)) if device.type == "cuda" else None
+    except Exception:
+        return None
+
+
+def rank_resources(device, utils):
+    """Host RSS; on CUDA the peak memory allocated / reserved since the last call, and the mean of
+    the GPU utilization readings `utils` (taken at the rollout's end and the update's end: one
+    alone would describe only the phase before it)."""
     out = {"host_rss_gb": host_rss_gb()}
     if device.type == "cuda":
         out["gpu_mem_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["gpu_mem_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
         torch.cuda.reset_peak_memory_stats(device)
-        try:
-            out["gpu_util"] = float(torch.cuda.utilization(device))
-        except Exception:  # no pynvml, or a driver without NVML: utilization stays unknown
-            pass
+        if None not in utils:
+            out["gpu_util"] = sum(utils) / len(utils)
     return out
 
 
@@ -1666,18 +1748,13 @@ class Balancer:
         self.granule = k // math.gcd(args.num_steps, k)
         self.least = self.granule * math.ceil((2 if args.async_envs else 1) / self.granule)
 
-    def fits(self, split, args: Args):
-        return (
-            self.on
-            and split is not None
-            and len(split) == len(args.rank_envs)
-            and sum(split) == args.num_envs
-            and all(n >= self.least and n % self.granule == 0 for n in split)
-        )
+    def fits(self, split, args: Args):  # a saved split: this world size, num_envs and granule
+        ok = self.on and split is not None and len(split) == len(args.rank_envs)
+        ok = ok and sum(split) == args.num_envs and min(split) >= self.least
+        return ok and all(n % self.granule == 0 for n in split)
 
     def decide(self, split, busy):
-        """(new split, imbalance, predicted imbalance) after this iteration's busy seconds, or
-        None: no move."""
+        """After an iteration's busy seconds: (new split, imbalance, predicted one) or None."""
         if not self.on:
             return None
         self.seen.append(busy)
@@ -1708,7 +1785,7 @@ def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
     if envs.num_envs == n:
         return envs, False
     envs.close()
-    return RankEnvs(args, run_name, capture_video), True
+    return RankEnvs(args, run_name, capture_video, envs.threads), True
 
 
 # ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
@@ -1772,7 +1849,8 @@ if __name__ == "__main__":
     if device.type == "cuda":
         torch.cuda.set_device(device)
     crash_report.device = device
-    torch.set_num_threads(args.threads or cpu_threads(local_world_size))
+    torch_threads, env_threads = thread_counts(args, device, local_world_size)
+    torch.set_num_threads(torch_threads)
     keep_freed_memory()
     if args.eval_checkpoint:
         evaluate_checkpoint(args, device, rank, world_size)
@@ -1796,7 +1874,9 @@ if __name__ == "__main__":
     if master_process:
         print(
             f"run {run_name}: {world_size} rank(s), backend {backend if distributed else '-'}, "
-            f"device {device.type}, {torch.get_num_threads()} thread(s) per rank\n"
+            f"device {device.type}, {torch_threads} thread(s) per rank"
+            + (f", {env_threads} per env group" if args.env_backend == "native" else "")
+            + "\n"
             f"  local_num_envs {args.local_num_envs:>5} | num_envs {args.num_envs:>6} | "
             f"num_steps {args.num_steps}\n"
             f"  local_batch_size {args.local_batch_size:>3} | batch_size {args.batch_size:>4} | "
@@ -1830,7 +1910,7 @@ if __name__ == "__main__":
 
     # env setup
     video = args.capture_video and master_process
-    envs = RankEnvs(args, run_name, video)
+    envs = RankEnvs(args, run_name, video, env_threads)
 
     agent = Agent(envs.single_action_space.n).to(device)
     if distributed:  # every replica starts from rank 0's weights
@@ -1841,8 +1921,10 @@ if __name__ == "__main__":
     autocast, scaler = precision(args, device)
     # foreach: one call per op over all tensors, bit-identical to the per-tensor loop that torch
     # picks by default on CPU, and faster there (CUDA already defaults to it). Not fused: it rounds
-    # differently, and a default may only change speed, not numbers
-    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, foreach=True)
+    # differently, and a default may only change speed, not numbers. --compile: fused, one kernel
+    # for the step (faster here than a compiled foreach step: benchmark/results/compile-pieces-*)
+    kernel = {"fused": True} if args.compile else {"foreach": True}
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, **kernel)
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat_grads = flat_grad_buffer(params, len(LOSS_STATS))
@@ -1876,6 +1958,7 @@ if __name__ == "__main__":
     num_episodes = 0
     progress = Progress(args, global_step)
     collective_clock = CollectiveClock(device)
+    step_upload = StepUpload(device)
 
     for iteration in range(start_iteration, args.num_iterations + 1):
         if args.anneal_lr:
@@ -1893,7 +1976,7 @@ if __name__ == "__main__":
                 obs[step] = next_obs
                 dones[step] = next_done
                 # act on the stored copy: it is already in the weights' layout (no second reorder)
-                policy_out, env_out = envs.step(agent.get_action_and_value, obs[step])
+                policy_out, env_out = envs.step(agent.act, obs[step])
                 action, logprob, value = policy_out
                 next_obs_np, reward, terminations, truncations, infos = env_out
                 values[step] = value.flatten()
@@ -1912,10 +1995,10 @@ if __name__ == "__main__":
                         ep = infos["final_info"]["episode"]
                         for i in np.flatnonzero(infos["final_info"]["_episode"]):
                             episodes.append((global_step, float(ep["r"][i]), int(ep["l"][i])))
-                rewards[step] = upload(reward, device)
-                next_obs = upload(next_obs_np, device)
-                next_done = upload(terminations | truncations, device).float()
-        rollout_time = time.perf_counter() - t_rollout
+                next_obs, rewards[step], next_done = step_upload(
+                    next_obs_np, reward, terminations | truncations
+                )
+        rollout_time, rollout_util = time.perf_counter() - t_rollout, gpu_util(device)
 
         # ---- advantages (GAE) ----
         t_update = time.perf_counter()
@@ -1984,7 +2067,7 @@ if __name__ == "__main__":
             "times": times,
             "rng": checkpointer.rng_state(),
             "stop": preemption.signalled,  # a scheduler's warning signal on this rank
-            "resources": rank_resources(device),
+            "resources": rank_resources(device, [rollout_util, gpu_util(device)]),
         }
         reports = [report]
         if distributed:

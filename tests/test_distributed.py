@@ -42,11 +42,11 @@ class LaunchCount(ppo.GradBuckets):
         super().wait()
 
 
-def gradient(agent, args, batch, world_size):
+def gradient(agent, args, batch, world_size, host=None):
     params = list(agent.parameters())
     n_params = sum(p.numel() for p in params)
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
-    buckets = LaunchCount(params, flat, args.bucket_mb, world_size, args.allreduce_fp16)
+    buckets = LaunchCount(params, flat, args.bucket_mb, world_size, args.allreduce_fp16, host)
     inds = torch.arange(len(batch[0]))
     minibatch_gradient(agent, args, buckets, n_params, batch, inds, world_size)
     assert ppo.grads_in_buffer(params, flat)  # the backward passes wrote into the views
@@ -90,10 +90,12 @@ def worker(rank, world_size, store, results):
     out["dist"], out["dist_stats"], buckets = gradient(agent, args, mine, world_size)
     out["buckets"], out["launched_in_backward"] = len(buckets.views), buckets.launched_in_backward
     out["single"], out["single_stats"], _ = gradient(agent, args, union, 1)
+    out["host"], out["host_stats"], _ = gradient(agent, args, mine, world_size, host=True)
     args.grad_accum = 4
     out["accum"], _, _ = gradient(agent, args, mine, world_size)
     args.grad_accum, args.allreduce_fp16 = 1, True
     out["fp16"], out["fp16_stats"], _ = gradient(agent, args, mine, world_size)
+    out["host_fp16"], _, _ = gradient(agent, args, mine, world_size, host=True)
     args.allreduce_fp16, args.bucket_mb = False, 0.0  # one all-reduce of the buffer after backward
     out["one"], out["one_stats"], buckets = gradient(agent, args, mine, world_size)
     out["one_launched_in_backward"] = buckets.launched_in_backward
@@ -169,3 +171,10 @@ def test_target_kl_decision_reads_the_same_rank_averaged_kl_on_every_rank(tmp_pa
     r0, r1 = two_ranks(tmp_path_factory)
     # the local KLs differ (different data); what each rank reads after the all-reduce must not
     assert r0["kls"] == r1["kls"]
+
+
+def test_buckets_through_host_copies_give_the_same_numbers(tmp_path_factory):
+    # the path of gloo with CUDA tensors (ranks sharing a GPU), here with CPU copies
+    for r in two_ranks(tmp_path_factory):
+        assert torch.equal(r["host"], r["dist"]) and torch.equal(r["host_stats"], r["dist_stats"])
+        assert torch.equal(r["host_fp16"], r["fp16"])

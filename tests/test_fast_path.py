@@ -1,6 +1,7 @@
 """The optimized default update path against the straightforward computation (CPU)."""
 
 import contextlib
+import copy
 import os
 import shutil
 import subprocess
@@ -53,12 +54,13 @@ def straightforward(updates, args, grads=None):
     return torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
 
 
-def optimized(updates, args, grads=None):
+def optimized(updates, args, grads=None, agent=None):
     """The trainer's path: uint8 observations, grads as views of one flat buffer, foreach Adam."""
     torch.manual_seed(0)
-    agent = ppo.speed_up(ppo.Agent(4), args)
+    agent = agent or ppo.speed_up(ppo.Agent(4), args)
     params = list(agent.parameters())
-    opt = torch.optim.Adam(params, lr=LR, eps=1e-5, foreach=True)
+    kernel = {"fused": True} if args.compile else {"foreach": True}  # as the trainer
+    opt = torch.optim.Adam(params, lr=LR, eps=1e-5, **kernel)
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
     buckets = ppo.GradBuckets(params, flat, args.bucket_mb, 1)
     n_params = flat.numel() - len(ppo.LOSS_STATS)
@@ -311,3 +313,62 @@ def test_frames_under_amp_reach_the_first_conv_as_the_autocast_cast_of_the_float
         assert seen[0].dtype == dtype and seen[1].dtype == torch.float32
         assert torch.equal(seen[0], (frames.float() / 255.0).to(dtype))
         assert torch.equal(out, expected) and out.abs().sum() > 0
+
+
+def test_the_rollout_step_without_entropy_draws_the_same_actions_log_probs_and_values():
+    torch.manual_seed(0)
+    agent = ppo.speed_up(ppo.Agent(6), ppo.Args())
+    obs = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        action, logprob, _, value = agent.get_action_and_value(obs)
+        torch.manual_seed(1)
+        same = agent.act(obs)
+    for a, b in zip((action, logprob, value), same):
+        assert torch.equal(a, b)
+
+
+def test_one_step_upload_gives_the_storage_the_values_of_separate_uploads_with_casts():
+    rng = np.random.default_rng(0)
+    up = ppo.StepUpload(torch.device("cpu"))
+    for n in (4, 4, 6):  # the buffer is reused, and made again for another env count
+        frames = rng.integers(0, 256, (n, 4, 84, 84), dtype=np.uint8)
+        reward = rng.normal(size=n) * 1e3  # float64, as the envs return it: cast as before
+        done = rng.random(n) < 0.5
+        rewards, dones = torch.zeros(n), torch.zeros(n)
+        obs, rewards[:], next_done = up(frames, reward, done)
+        dones[:] = next_done
+        assert torch.equal(obs, upload(frames)) and obs.dtype == torch.uint8
+        expected = torch.zeros(n)
+        expected[:] = upload(reward)  # the storage's own float64 -> float32 cast
+        assert torch.equal(rewards, expected) and torch.equal(dones, upload(done).float())
+
+
+def test_compiled_update_and_policy_step_equal_eager_ones_to_rounding_and_never_recompile(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache")
+    )  # own cache: see above
+    eager_grads, grads = [], []
+    expected = optimized(3, ppo.Args(), eager_grads)
+    torch.manual_seed(0)
+    agent = ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True))
+    start = copy.deepcopy(agent.state_dict())
+    frames = torch.randint(0, 256, (4, 4, 84, 84), dtype=torch.uint8)
+    with torch.no_grad():
+        agent.act(frames)  # warm-up: the policy step's graph
+    optimized(1, ppo.Args(compile=True), agent=agent)  # warm-up: forward and backward graphs
+    agent.load_state_dict(start)  # in place: the same parameters, the eager run's start
+    with torch.compiler.set_stance("fail_on_recompile"):  # raises if anything compiles again
+        actual = optimized(3, ppo.Args(compile=True), grads, agent=agent)
+        with torch.no_grad():
+            action, logprob, value = agent.act(frames)
+    # fused kernels sum in another order: each gradient within 1e-4 of its largest entry
+    for got, want in zip(grads, eager_grads):
+        assert_equal_to_rounding(got, want, rel=1e-4)
+    assert_equal_to_rounding(actual, expected, rel=1e-4)
+    with torch.no_grad():
+        eager = ppo.Agent.get_action_and_value(agent, frames, action)
+    assert_equal_to_rounding(logprob, eager[1], rel=1e-4)
+    assert_equal_to_rounding(value, eager[3], rel=1e-4)

@@ -150,3 +150,22 @@ def test_no_bf16_warning_without_bf16_on_the_cpu_or_where_it_is_native(monkeypat
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert ppo.slow_bf16_warning(ppo.Args(amp="bf16"), torch.device("cpu")) is None
+
+
+def test_cuda_runs_give_torch_one_thread_and_the_cores_to_the_env_groups(monkeypatch):
+    monkeypatch.setattr(ppo.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert ppo.thread_counts(ppo.Args(), cpu, 2) == (8, 8)  # CPU: shared, as before
+    assert ppo.thread_counts(ppo.Args(threads=3), cpu, 2) == (3, 3)
+    assert ppo.thread_counts(ppo.Args(), cuda, 1) == (1, 16)
+    assert ppo.thread_counts(ppo.Args(async_envs=True), cuda, 2) == (1, 4)  # 8 cores, 2 groups
+    assert ppo.thread_counts(ppo.Args(threads=2), cuda, 16) == (2, 1)
+
+
+def test_compile_without_a_compiler_and_cuda_graphs_without_a_gpu_are_refused(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(ValueError, match="--compile needs a C\\+\\+ compiler: no-such-compiler"):
+        ppo.check_args(ppo.Args(compile=True), 1)
+    monkeypatch.delenv("CXX")
+    with pytest.raises(ValueError, match="--cuda-graphs replays the compiled step on a GPU"):
+        ppo.check_args(ppo.Args(compile=True, cuda_graphs=True, cuda=False), 1)

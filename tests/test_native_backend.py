@@ -269,7 +269,7 @@ def test_native_rollout_stores_the_executed_action_and_its_log_prob(async_envs):
     with torch.no_grad():
         for _ in range(600):
             sent.clear()
-            (action, logprob, _), env_out = envs.step(agent.get_action_and_value, obs)
+            (action, logprob, _), env_out = envs.step(agent.act, obs)
             assert action.tolist() == np.concatenate(sent).tolist()  # stored = executed
             _, expected, _, _ = agent.get_action_and_value(obs, action)
             # half batches (--async-envs) take other kernels: equal to rounding
