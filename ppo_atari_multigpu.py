@@ -1733,7 +1733,8 @@ def log_perf(writer, reports, global_step, split):
 # ---- BALANCE: --balance-envs moves envs from slower ranks to faster ones (README "Uneven ranks") -
 BALANCE_AT, BALANCE_FOR, BALANCE_EVERY = 1.10, 3, 4  # move when the imbalance stayed above 1.10
 # for 3 iterations (the one after a start or a move warms up), never within 4 of the last move,
-BALANCE_GAIN = 0.05  # and only for a split predicted to cut the slowest rank's time by 5%
+BALANCE_GAIN = 0.05  # and only for a split predicted to cut the slowest rank's time by 5%, and
+BALANCE_MEMORY = 50  # not measured to be no faster within the last 50 iterations (no flip-flop)
 
 
 class Balancer:
@@ -1743,7 +1744,12 @@ class Balancer:
     every minibatch, stays: only which rank plays which games changes."""
 
     def __init__(self, args: Args, world_size):
-        self.on, self.seen = args.balance_envs and world_size > 1, []
+        self.on, self.seen, self.tried, self.iteration = (
+            args.balance_envs and world_size > 1,
+            [],
+            {},
+            0,
+        )
         k = args.num_minibatches * args.grad_accum  # every rank's batch must split into these
         self.granule = k // math.gcd(args.num_steps, k)
         self.least = self.granule * math.ceil((2 if args.async_envs else 1) / self.granule)
@@ -1758,19 +1764,24 @@ class Balancer:
         if not self.on:
             return None
         self.seen.append(busy)
+        self.iteration += 1
         window = self.seen[1:][-BALANCE_FOR:]
         if len(self.seen) < BALANCE_EVERY or len(window) < BALANCE_FOR:
             return None
+        seconds = [sum(b[r] for b in window) / len(window) for r in range(len(split))]
+        now = self.tried[tuple(split)] = max(seconds), self.iteration  # the slowest rank's
         if min(load_imbalance(b)[0] for b in window) <= BALANCE_AT:
             return None
-        seconds = [sum(b[r] for b in window) for r in range(len(split))]
         speed = [n / t for n, t in zip(split, seconds)]
         new = [self.least] * len(split)
         for _ in range((sum(split) - sum(new)) // self.granule):
             r = min(range(len(new)), key=lambda r: (new[r] + self.granule) / speed[r])
             new[r] += self.granule
         then = [n / v for n, v in zip(new, speed)]
-        if max(then) > (1 - BALANCE_GAIN) * max(seconds):
+        was, when = self.tried.get(tuple(new), (0.0, -BALANCE_MEMORY))
+        if max(then) > (1 - BALANCE_GAIN) * now[0]:
+            return None
+        if self.iteration - when < BALANCE_MEMORY and was > (1 - BALANCE_GAIN) * now[0]:
             return None
         self.seen = []
         return new, load_imbalance(seconds)[0], load_imbalance(then)[0]

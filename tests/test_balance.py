@@ -102,3 +102,17 @@ def test_resume_with_balance_envs_starts_from_the_saved_split(run_trainer, tmp_p
     assert [v for _, v in tags["perf/envs/rank1"]] == [1.0, 1.0]
     saved = torch.load(max((tmp_path / "runs/bal/checkpoints").glob("*.pt")), weights_only=True)
     assert saved["args"]["rank_envs"] == [3, 1]  # the next resume starts from it again
+
+
+def test_a_split_measured_no_faster_is_not_tried_again_so_envs_do_not_flip_flop():
+    # rank 0 slows down more than the proportional model expects once it has a 5th env: from
+    # 5 + 3 the model proposes 4 + 4 again, which was measured slower (6.0 s) than 5 + 3 (6.2 s)
+    # is not by 5%: the split stays
+    _, bal = balancer()
+    measured = {(4, 4): [4.0, 6.0], (5, 3): [6.2, 3.0]}
+    split, moves = [4, 4], []
+    for _ in range(ppo.BALANCE_MEMORY - 5):
+        if moved := bal.decide(split, measured[tuple(split)]):
+            split = moved[0]
+            moves.append(split)
+    assert moves == [[5, 3]]
