@@ -1731,8 +1731,8 @@ def log_perf(writer, reports, global_step, split):
 
 
 # ---- BALANCE: --balance-envs moves envs from slower ranks to faster ones (README "Uneven ranks") -
-BALANCE_AT, BALANCE_FOR, BALANCE_EVERY = 1.10, 3, 4  # move when the imbalance stayed above 1.10
-# for 3 iterations (the one after a start or a move warms up), never within 4 of the last move,
+BALANCE_AT, BALANCE_FOR, BALANCE_EVERY = 1.10, 2, 3  # move when the imbalance stayed above 1.10
+# for 2 iterations (the one after a start or a move warms up), never within 3 of the last move,
 BALANCE_GAIN = 0.05  # and only for a split predicted to cut the slowest rank's time by 5%, and
 BALANCE_MEMORY = 50  # not measured to be no faster within the last 50 iterations (no flip-flop)
 
