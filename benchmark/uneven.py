@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slow_link import kill  # noqa: E402
 from throughput import (  # noqa: E402
     NUM_STEPS,
     TRAINER,
     WARMUP_ITERS,
     error_line,
     fmt_range,
-    kill_tree,
 )
 
 NUM_ENVS = 8
@@ -120,12 +120,6 @@ def run_pair(split, rep, load, a, cores, tmp, port):
         return {"error": f"{type(e).__name__}: {e}"}
     finally:
         shutil.rmtree(Path(tmp, "runs", run_name), ignore_errors=True)
-
-
-def kill(procs):
-    for p in procs:
-        kill_tree(p.pid)  # torchrun starts its rank in a session of its own
-        p.wait()
 
 
 def report(a, results, started, cores):
