@@ -1639,8 +1639,12 @@ class Progress:
         self.args, self.start_step = args, start_step
         self.start = self.last = time.time()
         self.totals = {}  # rank -> summed seconds and peak memory, for the table at the end
+        self.first_seconds = []  # the slowest rank's first two iterations, for --compile
 
     def add(self, reports):
+        if len(self.first_seconds) < 2:
+            busy = [r["times"]["rollout"] + r["times"]["update"] for r in reports]
+            self.first_seconds.append(max(busy))
         for r, rep in enumerate(reports):
             total = self.totals.setdefault(r, dict.fromkeys(rep["times"], 0.0))
             for key, seconds in rep["times"].items():
@@ -1666,6 +1670,14 @@ class Progress:
         if ratio > 1.05:
             line += f" | imbalance {ratio:.2f}: rank {slow} is slowest"
         return line
+
+    def compile_line(self):
+        """--compile compiles in the first iteration (one graph per batch size, none later)."""
+        first, second = self.first_seconds
+        return (
+            f"--compile: ~{first - second:.0f} s compiling, paid once (iteration 1 took "
+            f"{first:.1f} s, iteration 2 {second:.1f} s)"
+        )
 
     def table(self):
         """Per-rank seconds (summed over this session) and peak memory, one row per rank."""
@@ -2109,6 +2121,8 @@ if __name__ == "__main__":
             )
             if line:
                 print(line, flush=True)
+            if args.compile and iteration == start_iteration + 1:
+                print(progress.compile_line(), flush=True)
 
         # ---- balance (--balance-envs): every rank decides alike from the gathered times ----
         if moved := balancer.decide(args.rank_envs, [busy_seconds(r["times"]) for r in reports]):

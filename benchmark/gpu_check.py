@@ -41,14 +41,19 @@ LOG = {  # one log per step; with summary.md and results.json: 6 files, fewer th
     "trainer": "trainer-rows.log",
 }
 NATIVE_BF16 = ["--env-backend", "native", "--amp", "bf16"]
-# (name, ranks, envs per rank, flags): the GPU plan. The dry run keeps the names and flags and
-# shrinks the sizes (2 envs per rank, 2 ranks where there are several).
+COMPILE, GRAPHS = ["--compile"], ["--compile", "--cuda-graphs"]
+# (name, ranks, envs per rank, flags): the GPU plan, most wanted first (a run cut short by the
+# overall limit keeps the rows before). The dry run keeps the names and flags (but --cuda-graphs,
+# which the trainer refuses off CUDA) and shrinks the sizes (2 envs per rank, at most 2 ranks).
 ROWS = [
     ("1×8 sync", 1, 8, []),
-    ("1×8 native", 1, 8, ["--env-backend", "native"]),
+    ("1×8 native+bf16", 1, 8, NATIVE_BF16),
+    ("1×8 native+bf16 compile", 1, 8, NATIVE_BF16 + COMPILE),
+    ("1×8 native+bf16 compile+graphs", 1, 8, NATIVE_BF16 + GRAPHS),
     ("1×64 native+bf16", 1, 64, NATIVE_BF16),
+    ("1×64 native+bf16 compile", 1, 64, NATIVE_BF16 + COMPILE),
+    ("1×64 native+bf16 compile+graphs", 1, 64, NATIVE_BF16 + GRAPHS),
     ("1×64 native+bf16 async", 1, 64, NATIVE_BF16 + ["--async-envs"]),
-    ("1×128 native+bf16", 1, 128, NATIVE_BF16),
     ("4×16 native+bf16 gloo, one GPU", 4, 16, NATIVE_BF16 + ["--backend", "gloo"]),
 ]
 
@@ -61,7 +66,7 @@ def plan(dry):
             env_seconds=0.2,  # each measurement
             minibatches=[32],
             update_seconds=0.2,
-            rows=[(n, min(r, 2), 2, f) for n, r, _, f in ROWS],
+            rows=[(n, min(r, 2), 2, [x for x in f if x != "--cuda-graphs"]) for n, r, _, f in ROWS],
             num_steps=16,
             iterations=2,
             warmup_iterations=1,
@@ -116,6 +121,7 @@ def worker_preflight(a):
         bf16_supported=bool(cuda and torch.cuda.is_bf16_supported()),
         cores=os.cpu_count(),
         usable_cores=len(os.sched_getaffinity(0)),
+        compilers={c: shutil.which(c) for c in (os.environ.get("CXX", "g++"), "gcc", "cc")},
     )
     packages = {}
     for dist in (
@@ -370,6 +376,8 @@ class Check:
                 f"- CUDA available: {info['cuda_available']}; GPUs: "
                 f"{'; '.join(info['gpus']) or 'none'}; bf16 supported: {info['bf16_supported']}",
                 f"- cores: {info['cores']} ({info['usable_cores']} usable)",
+                "- compilers (--compile: inductor's C++, Triton's launchers): "
+                + ", ".join(f"{k} {v or 'MISSING'}" for k, v in info["compilers"].items()),
             ]
         for r in results:
             if "packages" in r:
@@ -484,7 +492,12 @@ class Check:
             "",
             f"Short real runs: {p['iterations']} iterations of ranks × envs × {p['num_steps']} "
             f"steps, {shlex.join(['--eval-episodes', '0'] + p['trainer_flags'])}; one line per "
-            "row as it ends (table: section 5).",
+            "row as it ends (table: section 5)."
+            + (
+                " Dry run: rows named +graphs run without --cuda-graphs (CUDA only)."
+                if self.dry
+                else ""
+            ),
             "",
         )
         start = time.time()

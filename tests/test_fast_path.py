@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -177,6 +178,9 @@ def test_compiled_run_trains_and_saves_a_checkpoint_a_plain_agent_loads(
         "c",
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    # the compile time, reported once, after the second iteration (compiling is in the first)
+    report = r"^--compile: ~-?\d+ s compiling, paid once \(iteration 1 took [\d.]+ s, iteration 2 "
+    assert len(re.findall(report, out.stdout, re.M)) == 1, out.stdout
     state = torch.load(tmp_path / "runs/c/ppo_atari_multigpu.model")
     ppo.Agent(4).load_state_dict(
         state
