@@ -4,7 +4,8 @@ process on this machine (the trainer's own Agent, ppo_loss and optimizer setting
         [--precisions fp32 bf16] [--repeats 30] [--host HOST]
 Pieces: the rollout's policy step (Agent.act on `envs` frames, sampling inside the compiled
 graph or outside it), the update's loss + backward of one minibatch, and the clip + Adam step
-(compiled, or eager with fused Adam).
+(compiled, or eager with fused Adam). And when the gradient hooks fire in the loss's backward
+(GradBuckets launches its all-reduces from them): the first as a fraction of the backward's time.
 Median milliseconds after warm-up, the compiled/eager ratio and the compile seconds. Writes a
 markdown table to stdout and to benchmark/results/compile-pieces-<host>.md."""
 
@@ -113,8 +114,27 @@ def pieces(mod, a, amp):
         torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         fused.step()
 
+    fired = []  # the bucket all-reduces start from these hooks in the trainer
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(time.perf_counter()))
+
+    def first_hook(run):
+        """Median over 5 calls of (first hook - backward start) / backward time (warm)."""
+        fractions = []
+        for _ in range(6):
+            fired.clear()
+            t = time.perf_counter()
+            run()
+            fractions.append((min(fired) - t) / (time.perf_counter() - t))
+        return float(np.median(fractions[1:]))
+
     backward(mod.ppo_loss)()  # gradients for the step to use
-    out = {}
+    out = {
+        "first gradient hook, fraction of loss + backward": {
+            "eager": first_hook(backward(mod.ppo_loss)),
+            "compiled": first_hook(backward(mod.ppo_loss, compiled_forward)),
+        }
+    }
     for name, eager, variants in (
         ("policy step, sampling inside", policy(agent.act), policy(compiled_act)),
         ("policy step, sampling outside", policy(agent.act), policy(act_outside)),
@@ -165,6 +185,9 @@ def main():
     ]
     for prec, rows in results.items():
         for name, r in rows.items():
+            if "compile_s" not in r:  # the hook timing: a fraction, not milliseconds
+                md.append(f"| {prec} | {name} | {r['eager']:.2f} | {r['compiled']:.2f} | – | – |")
+                continue
             md.append(
                 f"| {prec} | {name} | {r['eager']:.2f} | {r['compiled']:.2f} |"
                 f" {r['compiled'] / r['eager']:.2f} | {r['compile_s']:.1f} |"

@@ -46,6 +46,8 @@ VARIANTS = [
     ("native", ["--env-backend", "native"]),
     ("async", ["--async-envs"]),
     ("native+bf16", ["--env-backend", "native", "--amp", "bf16"]),
+    ("bf16+compile", ["--amp", "bf16", "--compile"]),
+    ("native+bf16+compile", ["--env-backend", "native", "--amp", "bf16", "--compile"]),
     ("one-allreduce", ["--bucket-mb", "0"]),  # the gradients' all-reduce after backward, whole
 ]
 CPU_CONFIGS = [
