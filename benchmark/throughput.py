@@ -543,6 +543,10 @@ def run_ceiling(kind, a, tmp):
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+# set in the environment, they change what is measured: named before the command in the report
+ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")
+
+
 def report(a, configs, ceilings, results, skipped, started, load_before, ref=None):
     """ref: probe_reference's answer when --reference was given; then configs include the
     reference configurations."""
@@ -554,6 +558,7 @@ def report(a, configs, ceilings, results, skipped, started, load_before, ref=Non
     minutes = (time.time() - started.timestamp()) / 60
     usable = len(os.sched_getaffinity(0))
     device = "cuda" if a.cuda else "cpu"
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in ISA_VARS if k in os.environ]
     md = [
         f"# Throughput of ppo_atari_multigpu.py on {a.host}"
         + (" beside the reference trainer" if ref else ""),
@@ -564,7 +569,9 @@ def report(a, configs, ceilings, results, skipped, started, load_before, ref=Non
         f"- torch {torch.__version__}; env {a.env_id}; {a.iterations} iterations per run, "
         f"{a.repeats} repeat(s), first {WARMUP_ITERS} iterations skipped; device: {device}",
         "- command: `"
-        + " ".join(shlex.quote(x) for x in [Path(sys.executable).name] + shown_argv(sys.argv))
+        + " ".join(
+            env + [shlex.quote(x) for x in [Path(sys.executable).name, *shown_argv(sys.argv)]]
+        )
         + "`",
     ]
     if ref:
