@@ -162,7 +162,7 @@ class Args:
     amp: Literal["none", "bf16", "fp16"] = "none"
     """autocast precision for rollout and update (fp16 adds a GradScaler); changes the numbers"""
     compile: bool = False
-    """torch.compile the policy step and the update's forward and backward (opt-in: rounding)"""
+    """torch.compile the policy step and the loss's forward and backward (opt-in: rounding)"""
     cuda_graphs: bool = False
     """with --compile on CUDA: replay the compiled step as CUDA graphs (fewer kernel launches)"""
     env_backend: Literal["sync", "native"] = "sync"
@@ -502,10 +502,11 @@ def minibatch_gradient(
     # this rank's share of the global minibatch x world size: exactly 1.0 when ranks are even
     share = len(mb_inds) * world_size / args.minibatch_size if world_size > 1 else 1.0
     micro = len(mb_inds) // args.grad_accum
+    loss_fn = getattr(agent, "compiled_loss", ppo_loss)  # --compile: speed_up compiled it
     for m in range(0, len(mb_inds), micro):  # gradient accumulation: sum of micro-batch means / K
         i = mb_inds[m : m + micro]
         with autocast:
-            loss, stats = ppo_loss(
+            loss, stats = loss_fn(
                 agent,
                 args,
                 gather_frames(b_obs, i),
@@ -1465,13 +1466,14 @@ def speed_up(agent, args: Args):
         # output (channels-last) differ in layout
         agent.network[5].register_forward_pre_hook(lambda _, inputs: (inputs[0].contiguous(),))
     if args.compile:
-        # The rollout's policy step and the update's network + heads (AOTAutograd compiles the
-        # backward too), frame conversion included. Fixed shapes (dynamic=False): one graph per
-        # batch size, none per iteration. Instance attributes: the module, its state_dict keys
-        # and checkpoints stay as they are; get_value stays eager (its batch sizes vary).
+        # The rollout's policy step and the whole loss of a (micro-)batch, network, frame
+        # conversion and statistics included (AOTAutograd compiles its backward too). Fixed
+        # shapes (dynamic=False): one graph per batch size, none per iteration. Plain attributes:
+        # the module, its state_dict keys and checkpoints stay as they are; get_value stays eager
+        # (its batch sizes vary).
         mode = "reduce-overhead" if args.cuda_graphs else None  # inductor's CUDA graphs
-        for name in ("act", "get_action_and_value"):
-            setattr(agent, name, torch.compile(getattr(agent, name), dynamic=False, mode=mode))
+        agent.act = torch.compile(agent.act, dynamic=False, mode=mode)
+        agent.compiled_loss = torch.compile(ppo_loss, dynamic=False, mode=mode)
     return agent
 
 

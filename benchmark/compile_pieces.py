@@ -132,13 +132,17 @@ def pieces(mod, a, amp):
     out = {
         "first gradient hook, fraction of loss + backward": {
             "eager": first_hook(backward(mod.ppo_loss)),
-            "compiled": first_hook(backward(mod.ppo_loss, compiled_forward)),
+            "compiled": first_hook(backward(compiled_loss)),
         }
     }
     for name, eager, variants in (
         ("policy step, sampling inside", policy(agent.act), policy(compiled_act)),
         ("policy step, sampling outside", policy(agent.act), policy(act_outside)),
-        (f"loss + backward ({n}), all compiled", backward(mod.ppo_loss), backward(compiled_loss)),
+        (
+            f"loss + backward ({n}), all compiled (--compile)",
+            backward(mod.ppo_loss),
+            backward(compiled_loss),
+        ),
         (
             f"loss + backward ({n}), get_action_and_value compiled",
             backward(mod.ppo_loss),

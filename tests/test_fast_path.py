@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 from conftest import ROOT, assert_equal_to_rounding
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
+from torch._dynamo.utils import counters
 
 import ppo_atari_multigpu as ppo
 
@@ -348,7 +350,7 @@ def test_one_step_upload_gives_the_storage_the_values_of_separate_uploads_with_c
         assert torch.equal(rewards, expected) and torch.equal(dones, upload(done).float())
 
 
-def test_compiled_update_and_policy_step_equal_eager_ones_to_rounding_and_never_recompile(
+def test_compiled_loss_and_policy_step_are_one_graph_each_equal_eager_and_never_recompile(
     monkeypatch, tmp_path
 ):
     monkeypatch.setenv(
@@ -360,9 +362,15 @@ def test_compiled_update_and_policy_step_equal_eager_ones_to_rounding_and_never_
     agent = ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True))
     start = copy.deepcopy(agent.state_dict())
     frames = torch.randint(0, 256, (4, 4, 84, 84), dtype=torch.uint8)
+    torch._dynamo.reset()  # no cache entries and no counts from earlier tests
+    counters.clear()
     with torch.no_grad():
         agent.act(frames)  # warm-up: the policy step's graph
-    optimized(1, ppo.Args(compile=True), agent=agent)  # warm-up: forward and backward graphs
+    optimized(1, ppo.Args(compile=True), agent=agent)  # warm-up: the loss, forward and backward
+    # the whole loss (network, frame conversion, statistics) is one compiled frame and one graph,
+    # the policy step another: two graphs, no graph break
+    assert [len(cache_entries(f.__code__)) for f in (ppo.ppo_loss, ppo.Agent.act)] == [1, 1]
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], counters
     agent.load_state_dict(start)  # in place: the same parameters, the eager run's start
     with torch.compiler.set_stance("fail_on_recompile"):  # raises if anything compiles again
         actual = optimized(3, ppo.Args(compile=True), grads, agent=agent)
