@@ -1426,7 +1426,8 @@ class RankEnvs:
         # on-policy: every action comes from the same weights.
         outs = []
         for env, g in zip(self.envs, self.groups):
-            action, logprob, value = policy(obs[g.start : g.stop])
+            # copies: with --cuda-graphs the next group's replay overwrites the graph's outputs
+            action, logprob, value = (t.clone() for t in policy(obs[g.start : g.stop]))
             env.step_async(action.cpu().numpy())
             outs.append((action, logprob, value))
         t = time.perf_counter()
@@ -1472,6 +1473,14 @@ def speed_up(agent, args: Args):
         # the module, its state_dict keys and checkpoints stay as they are; get_value stays eager
         # (its batch sizes vary).
         mode = "reduce-overhead" if args.cuda_graphs else None  # inductor's CUDA graphs
+        # torch 2.13's kernel cache ignores ATEN_CPU_CAPABILITY: a kernel cached under another
+        # capability aborts the process (malloc) or gives NaN. So one default cache per
+        # capability (importing dynamo sets the variable to the shared default; a user's stays).
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+            isa = torch.backends.cpu.get_cpu_capability()
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{isa}"
         agent.act = torch.compile(agent.act, dynamic=False, mode=mode)
         agent.compiled_loss = torch.compile(ppo_loss, dynamic=False, mode=mode)
     return agent

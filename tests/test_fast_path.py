@@ -189,6 +189,23 @@ def test_compiled_run_trains_and_saves_a_checkpoint_a_plain_agent_loads(
     )  # same keys as an uncompiled agent: checkpoints stay portable
 
 
+def test_compile_keeps_one_kernel_cache_per_cpu_capability_and_leaves_a_users_own(
+    monkeypatch, tmp_path
+):
+    # torch 2.13 serves a kernel built under another ATEN_CPU_CAPABILITY from its cache, and
+    # the process aborts: the default cache gets the capability in its name
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    own = f"{default_cache_dir()}_{torch.backends.cpu.get_cpu_capability()}"
+    for before, after in ((None, own), (default_cache_dir(), own), (str(tmp_path), str(tmp_path))):
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True))
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == after
+
+
 def test_kept_memory_settings_serve_large_blocks_from_the_heap_and_keep_them_after_free():
     # What the code controls: glibc accepts both settings, and afterwards a block far above
     # glibc's default mmap threshold comes from the heap (hblks counts the mmapped blocks) and
