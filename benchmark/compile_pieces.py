@@ -171,6 +171,7 @@ def main():
     torch.set_num_threads(a.threads)
     mod = load_trainer()
     sys.modules["ppo_atari_multigpu"] = mod  # dynamo imports the module of what it traces
+    mod.keep_freed_memory()  # as the trainer does: no page faults on each call's fresh buffers
     started = datetime.datetime.now().astimezone()
     results = {prec: pieces(mod, a, "none" if prec == "fp32" else prec) for prec in a.precisions}
     md = [
