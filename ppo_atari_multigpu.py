@@ -1457,9 +1457,10 @@ def keep_freed_memory():
     return libc.mallopt(m_trim_threshold, 2**31 - 1) == 1 and ok
 
 
-def speed_up(agent, args: Args):
+def speed_up(agent, args: Args, overlap=False):
     """Same-math layout changes (channels-last weights, NCHW again before the last conv's ReLU)
-    and the opt-in compile. Call BEFORE flat_grad_buffer."""
+    and the opt-in compile. `overlap`: GradBuckets all-reduces during backward (several ranks).
+    Call BEFORE flat_grad_buffer."""
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
         # the last conv's output back to NCHW before its ReLU (Flatten copies it so anyway):
@@ -1481,8 +1482,19 @@ def speed_up(agent, args: Args):
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
             isa = torch.backends.cpu.get_cpu_capability()
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{isa}"
-        agent.act = torch.compile(agent.act, dynamic=False, mode=mode)
+        # On a CPU under --amp the eager policy step is faster: autocast casts the weights once
+        # per rollout (MAIN's one no_grad region), a compiled step casts them on every call.
+        if args.amp == "none" or next(agent.parameters()).is_cuda:
+            agent.act = torch.compile(agent.act, dynamic=False, mode=mode)
         agent.compiled_loss = torch.compile(ppo_loss, dynamic=False, mode=mode)
+        if overlap:
+            # AOTAutograd runs a graph's backward as one node, so in one graph no gradient is
+            # ready (and no bucket goes out) until all of backward ends. A graph break after the
+            # convolutions, in training only, lets fc's and the heads' buckets go out while the
+            # convolutions' backward runs, as in eager (tested).
+            agent.network[6].register_forward_pre_hook(
+                lambda *_: torch._dynamo.graph_break() if torch.is_grad_enabled() else None
+            )
     return agent
 
 
@@ -1951,7 +1963,7 @@ if __name__ == "__main__":
         flat_params = nn.utils.parameters_to_vector(agent.parameters())
         dist.broadcast(flat_params, src=0)
         nn.utils.vector_to_parameters(flat_params, agent.parameters())
-    agent = speed_up(agent, args)
+    agent = speed_up(agent, args, overlap=world_size > 1 and args.bucket_mb > 0)
     autocast, scaler = precision(args, device)
     # foreach: one call per op over all tensors, bit-identical to the per-tensor loop that torch
     # picks by default on CPU, and faster there (CUDA already defaults to it). Not fused: it rounds

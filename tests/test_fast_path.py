@@ -401,3 +401,32 @@ def test_compiled_loss_and_policy_step_are_one_graph_each_equal_eager_and_never_
         eager = ppo.Agent.get_action_and_value(agent, frames, action)
     assert_equal_to_rounding(logprob, eager[1], rel=1e-4)
     assert_equal_to_rounding(value, eager[3], rel=1e-4)
+
+
+def test_compiled_loss_with_several_ranks_frees_fc_gradient_before_the_conv_backward(
+    monkeypatch, tmp_path
+):
+    # GradBuckets sends a bucket once its gradients are accumulated. In one compiled graph they
+    # all wait for the whole backward; with `overlap` (several ranks) fc's gradient is in the
+    # flat buffer while conv1's is still zero, as in eager, and the numbers stay eager's.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    eager_grads, grads = [], []
+    optimized(2, ppo.Args(), eager_grads)
+    torch._dynamo.reset()  # dynamo does not guard on module hooks: no graph of another agent
+    torch.manual_seed(0)
+    agent = ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True), overlap=True)
+    conv1, fc = agent.network[0].weight, agent.network[7].weight
+    conv1_done = []  # at each fc gradient: is conv1's already in the buffer?
+    fc.register_post_accumulate_grad_hook(lambda _: conv1_done.append(bool(conv1.grad.any())))
+    optimized(2, ppo.Args(compile=True), grads, agent=agent)
+    assert conv1_done == [False, False]
+    for got, want in zip(grads, eager_grads):
+        assert_equal_to_rounding(got, want, rel=1e-4)
+
+
+def test_policy_step_compiles_in_fp32_and_stays_eager_under_amp_on_a_cpu(monkeypatch, tmp_path):
+    # under --amp autocast casts the weights once per rollout; a compiled step, on every call
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    for amp, compiled in (("none", True), ("bf16", False), ("fp16", False)):
+        agent = ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True, amp=amp))
+        assert ("act" in vars(agent)) == compiled and "compiled_loss" in vars(agent)
