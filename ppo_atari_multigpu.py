@@ -8,8 +8,9 @@
 # Layout: the CORE is CleanRL's PPO in CleanRL's order (Args, make_env, Agent, GAE, loss, the
 # flat-gradient all-reduce). The EXTRAS follow, one labelled block each (FLAGS, LAUNCH, FAILURES,
 # CHECKPOINTS, PREEMPTION, EVALUATION, ENV BACKENDS, FAST PATH AND MIXED PRECISION, MONITORING,
-# RUN-TIME CHECKS). MAIN runs setup, rollout, GAE, update and logging, calling each extra in a
-# line or two.
+# BALANCE, RUN-TIME CHECKS). MAIN shows the loop: rollout, GAE, update, logging.
+# Common edits are one local change each (README "Changing the file"): the encoder (nature_cnn),
+# --frame-stack, a loss term (ppo_loss and LOSS_STATS), a flag (Args), a schedule (MAIN).
 import atexit
 import contextlib
 import ctypes
@@ -21,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import resource
 import shlex
@@ -30,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -74,6 +77,8 @@ class Args:
     # Algorithm specific arguments
     env_id: str = "BreakoutNoFrameskip-v4"
     """the id of the environment"""
+    frame_stack: int = 4
+    """the number of most recent frames the agent sees (both env backends)"""
     total_timesteps: int = 10000000
     """total timesteps of the experiments (all ranks together)"""
     learning_rate: float = 2.5e-4
@@ -181,6 +186,22 @@ class Args:
     """the number of iterations"""
 
 
+# What a resume may change: world size and layout, backend, threads, precision, compile, env
+# backend, saving, logging, evaluation. Every other field of Args is the run's identity: it names a
+# `--resume auto` run and a resume must keep it, so a new field joins it without a word.
+RESUMABLE = tuple(
+    """world_size local_num_envs local_batch_size local_minibatch_size grad_accum rank_envs
+    balance_envs backend device_ids cuda torch_deterministic threads bucket_mb allreduce_fp16
+    pg_timeout channels_last amp compile cuda_graphs env_backend async_envs run_name resume
+    save_interval save_minutes keep_checkpoints print_every track wandb_project_name wandb_entity
+    capture_video eval_episodes eval_checkpoint""".split()
+)
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
 class EpisodicLife(gym.Wrapper):
     """A lost life ends the learning episode, but the game is only reset at game over (as in
     the DQN/baselines setup); gymnasium's own terminal_on_life_loss would reset the game."""
@@ -222,7 +243,7 @@ class FireReset(gym.Wrapper):
         return obs, info
 
 
-def make_env(env_id, idx, capture_video, run_name):
+def make_env(env_id, idx, capture_video, run_name, frame_stack):
     def thunk():
         # v5 ids skip 4 frames inside the emulator; frames must be skipped once, here below
         kwargs = {"frameskip": 1} if gym.spec(env_id).kwargs.get("frameskip", 1) != 1 else {}
@@ -242,7 +263,7 @@ def make_env(env_id, idx, capture_video, run_name):
         if env.unwrapped.get_action_meanings()[1] == "FIRE":
             env = FireReset(env)
         env = gym.wrappers.TransformReward(env, lambda r: float(np.sign(r)))
-        env = gym.wrappers.FrameStackObservation(env, 4)
+        env = gym.wrappers.FrameStackObservation(env, frame_stack)
         return env
 
     return thunk
@@ -254,55 +275,66 @@ def env_seeds(seed, rank, local_num_envs, rank_envs=None):
     return [seed + first + i for i in range(local_num_envs)]
 
 
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
 
 
-class Agent(nn.Module):
-    def __init__(self, num_actions):
-        super().__init__()
-        self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
-            nn.ReLU(),
-            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
-            nn.ReLU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
-            nn.ReLU(),
-            nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)),
-            nn.ReLU(),
-        )
-        self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
-        self.critic = layer_init(nn.Linear(512, 1), std=1)
+def output_size(module, obs_shape):
+    """Features `module` makes of one observation: sizes come from the data, not from literals."""
+    with torch.no_grad():
+        return module(torch.zeros(1, *obs_shape)).shape[1]
 
-    def hidden(self, x):
-        # x / 255.0, in the first conv's layout and dtype (FAST PATH: network_input)
-        return self.network(network_input(x, self.network[0].weight)).float()
+
+def nature_cnn(obs_shape):
+    """The encoder: frames (C, H, W) scaled to [0, 1] in, features out. Any nn.Module that does
+    this fits (README "Changing the file"); the fast path finds its layers by role."""
+    convs = nn.Sequential(
+        layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),
+        nn.ReLU(),
+        layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+        nn.ReLU(),
+        layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+        nn.ReLU(),
+        nn.Flatten(),
+    )
+    fc = layer_init(nn.Linear(output_size(convs, obs_shape), 512))
+    return nn.Sequential(*convs, fc, nn.ReLU())
+
+
+class Agent(nn.Module):
+    def __init__(self, obs_shape, num_actions):
+        super().__init__()
+        self.network = nature_cnn(obs_shape)
+        width = output_size(self.network, obs_shape)
+        self.actor = layer_init(nn.Linear(width, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(width, 1), std=1)
+
+    def features(self, x):
+        # x / 255.0, in the first layer's layout and dtype (FAST PATH: network_input)
+        return self.network(network_input(x, next(self.network.parameters()))).float()
 
     def get_value(self, x):
-        hidden = self.hidden(x)
+        features = self.features(x)
         with torch.autocast(x.device.type, enabled=False):  # heads in fp32 even under --amp
-            return self.critic(hidden)
+            return self.critic(features)
 
     def get_action_and_value(self, x, action=None):
-        hidden = self.hidden(x)
+        features = self.features(x)
         # fp32 heads even under --amp: PPO's ratio exp(new - old log-prob) needs more than bf16's
         # 8 mantissa bits. No validation: a NaN must reach the non-finite check, not raise here.
         with torch.autocast(x.device.type, enabled=False):
-            probs = Categorical(logits=self.actor(hidden), validate_args=False)
+            probs = Categorical(logits=self.actor(features), validate_args=False)
             if action is None:
                 action = probs.sample()
-            return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
-
-    def act(self, x):
-        """The rollout's step: get_action_and_value's numbers without the entropy it discards."""
-        hidden = self.hidden(x)
-        with torch.autocast(x.device.type, enabled=False):
-            probs = Categorical(logits=self.actor(hidden), validate_args=False)
-            action = probs.sample()
-            return action, probs.log_prob(action), self.critic(hidden)
+            return action, probs.log_prob(action), probs.entropy(), self.critic(features)
 
 
 def start_rollouts(envs, args, seed, rank, device):
@@ -313,7 +345,7 @@ def start_rollouts(envs, args, seed, rank, device):
     actions = torch.zeros(shape, dtype=torch.long, device=device)
     logprobs, rewards, dones, values = (torch.zeros(shape, device=device) for _ in range(4))
     seeds = env_seeds(seed, rank, args.local_num_envs, args.rank_envs)
-    next_obs = upload(envs.reset(seeds), device)
+    next_obs = torch.as_tensor(envs.reset(seeds), device=device)
     next_done = torch.zeros(args.local_num_envs, device=device)
     return (obs, actions, logprobs, rewards, dones, values), next_obs, next_done
 
@@ -344,7 +376,7 @@ def normalize_advantages(adv, world_size):
     # rank-averaged gradient equals the single-process gradient on that union exactly.
     s = torch.stack([adv.sum(), (adv * adv).sum(), adv.new_tensor(adv.numel())]).double()
     if world_size > 1:
-        dist.all_reduce(s)
+        collective(dist.all_reduce, s)
     n = s[2]  # the global minibatch's size (with --rank-envs ranks differ)
     mean = s[0] / n
     std = ((s[1] - n * mean * mean) / (n - 1)).clamp(min=0).sqrt()
@@ -352,11 +384,20 @@ def normalize_advantages(adv, world_size):
 
 
 # The loss statistics, in the order they travel at the end of the flat gradient buffer; their
-# names are also their TensorBoard tags under losses/.
+# names are also their TensorBoard tags under losses/. Each must be a per-sample MEAN over the
+# (micro-)batch: weighted by the batch's share and summed over micro-batches and ranks, it
+# becomes the global minibatch's mean. A new one: add its name here and set it in ppo_loss.
 LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
 
 
-def ppo_loss(agent, args, obs, actions, logprobs, advantages, returns, values):
+def loss_coefficients(args: Args, device):
+    """ppo_loss's coefficients as 0-d tensors: a schedule changes one in place (one line in MAIN)
+    and --compile reads them as inputs, not as constants baked into its graph (no recompile)."""
+    names = ("clip_coef", "ent_coef", "vf_coef")
+    return {name: torch.tensor(float(getattr(args, name)), device=device) for name in names}
+
+
+def ppo_loss(agent, args, coef, obs, actions, logprobs, advantages, returns, values):
     """The clipped PPO loss of one (micro-)batch, and its LOSS_STATS as one small tensor."""
     _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
     logratio = newlogprob - logprobs
@@ -365,20 +406,20 @@ def ppo_loss(agent, args, obs, actions, logprobs, advantages, returns, values):
     with torch.no_grad():
         stats["old_approx_kl"] = (-logratio).mean()
         stats["approx_kl"] = ((ratio - 1) - logratio).mean()
-        stats["clipfrac"] = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+        stats["clipfrac"] = ((ratio - 1.0).abs() > coef["clip_coef"]).float().mean()
     pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    pg_loss2 = -advantages * torch.clamp(ratio, 1 - coef["clip_coef"], 1 + coef["clip_coef"])
     pg_loss = torch.max(pg_loss1, pg_loss2).mean()
     newvalue = newvalue.view(-1)
     if args.clip_vloss:
         v_loss_unclipped = (newvalue - returns) ** 2
-        v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
+        v_clipped = values + torch.clamp(newvalue - values, -coef["clip_coef"], coef["clip_coef"])
         v_loss_clipped = (v_clipped - returns) ** 2
         v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
     else:
         v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
     entropy_loss = entropy.mean()
-    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    loss = pg_loss - coef["ent_coef"] * entropy_loss + v_loss * coef["vf_coef"]
     stats.update(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy_loss)
     return loss, torch.stack([stats[name] for name in LOSS_STATS]).detach()
 
@@ -413,6 +454,16 @@ def grads_in_buffer(params, flat):
     return True
 
 
+def collective(fn, tensor, **kwargs):
+    """fn(tensor) in place, through a host copy where gloo would get a CUDA tensor (ranks sharing
+    a GPU): PyTorch no longer tests gloo on CUDA tensors."""
+    if not (tensor.is_cuda and dist.get_backend() == "gloo"):
+        return fn(tensor, **kwargs)
+    host = tensor.cpu()
+    fn(host, **kwargs)
+    tensor.copy_(host)
+
+
 class GradBuckets:
     """The flat buffer's all-reduce, overlapped with backward. Buckets are contiguous views of
     the buffer, cut in the order backward finishes them (heads and fc first, conv1 last); each
@@ -421,108 +472,101 @@ class GradBuckets:
     the first bucket: they are final before backward starts. With 2 ranks each element is one
     sum a + b whatever the bucket, so the numbers are bit-identical to one all-reduce of the
     whole buffer (tested); with more ranks a bucket may be summed in another order (rounding).
-    fp16: each gradient bucket travels as fp16 (the average: divided before the cast, so the
-    sum cannot grow past fp16's range with the world size); the statistics stay fp32. host:
-    the buckets travel through (pinned) host copies, as gloo with CUDA tensors (ranks sharing
-    a GPU) needs: PyTorch no longer tests gloo on CUDA tensors. Default: exactly then."""
+    fp16: each gradient bucket travels as fp16, averaged before the cast (the sum cannot outgrow
+    fp16's range with the world size); the statistics stay fp32. host: through (pinned) host
+    copies, as `collective` does (default: exactly when gloo gets CUDA tensors). `clock` times
+    the waits for collectives (MONITORING)."""
 
-    def __init__(self, params, flat, bucket_mb, world_size, fp16=False, host=None):
-        self.world_size, self.views, self.sizes, self.owner = world_size, [], [], {}
+    def __init__(self, params, flat, bucket_mb, world_size, fp16=False, host=None, clock=None):
+        self.flat, self.world_size = flat, world_size
+        self.stats = flat[sum(p.numel() for p in params) :]  # LOSS_STATS, all-reduced too
+        self.clock = clock or contextlib.nullcontext()
+        self.views, self.grads_in, self.bucket_of = [], [], {}
         cap = bucket_mb * 2**20 / flat.element_size() if bucket_mb > 0 else math.inf
         starts = np.cumsum([0] + [p.numel() for p in params])
         end, count = flat.numel(), 0
         if fp16:  # the statistics in a bucket of their own, ready at once
-            self.views.append(flat[starts[-1] :])
-            self.sizes.append(0)
+            self.views.append(self.stats)
+            self.grads_in.append(0)
             end = starts[-1]
         for i in reversed(range(len(params))):
-            self.owner[params[i]], count = len(self.views), count + 1
+            self.bucket_of[params[i]], count = len(self.views), count + 1
             if i == 0 or end - starts[i] >= cap:
                 self.views.append(flat[starts[i] : end])
-                self.sizes.append(count)
+                self.grads_in.append(count)
                 end, count = starts[i], 0
         if host is None:
             host = flat.is_cuda and world_size > 1 and dist.get_backend() == "gloo"
-        self.early = [fp16 and n > 0 for n in self.sizes]  # fp16: averaged before the cast
-        self.wires = []
-        for view, early in zip(self.views, self.early):
-            dtype = torch.half if early else view.dtype
+        self.as_fp16 = [fp16 and n > 0 for n in self.grads_in]
+        self.sent = []  # what travels for each bucket: the view itself or a copy of it
+        for view, as_fp16 in zip(self.views, self.as_fp16):
+            dtype = torch.half if as_fp16 else view.dtype
             if host:
-                self.wires.append(torch.empty(view.shape, dtype=dtype, pin_memory=flat.is_cuda))
+                self.sent.append(torch.empty(view.shape, dtype=dtype, pin_memory=flat.is_cuda))
             else:
-                self.wires.append(view if dtype == view.dtype else view.half())
+                self.sent.append(view if dtype == view.dtype else view.half())
         if world_size > 1 and len(self.views) > 1:
             for p in params:
-                p.register_post_accumulate_grad_hook(self.ready)
-        self.flat, self.armed = flat, False
+                p.register_post_accumulate_grad_hook(self.grad_ready)
+        self.final = False
 
-    def arm(self):  # before the backward that leaves the final gradients (last micro-batch)
-        self.left, self.works, self.armed = list(self.sizes), [], True
+    def expect_final_grads(self):  # before the backward that leaves them (last micro-batch)
+        self.missing, self.works, self.final = list(self.grads_in), [], True
 
-    def ready(self, p):  # p.grad is final for this minibatch
-        if self.armed:
-            self.left[self.owner[p]] -= 1
+    def grad_ready(self, p):  # p.grad is final for this minibatch
+        if self.final:
+            self.missing[self.bucket_of[p]] -= 1
             self.launch()
 
     def launch(self, everything=False):  # the next buckets in order, while they are complete
-        while (k := len(self.works)) < len(self.views) and (everything or self.left[k] == 0):
-            view, wire = self.views[k], self.wires[k]
-            if self.early[k]:
+        while (k := len(self.works)) < len(self.views) and (everything or self.missing[k] == 0):
+            view, sent = self.views[k], self.sent[k]
+            if self.as_fp16[k]:
                 view.div_(self.world_size)
-            if wire is not view:
-                wire.copy_(view)  # to the host: a blocking copy, so gloo reads the final bytes
-            self.works.append(dist.all_reduce(wire, async_op=True))
+            if sent is not view:
+                sent.copy_(view)  # to the host: a blocking copy, so gloo reads the final bytes
+            self.works.append(dist.all_reduce(sent, async_op=True))
 
     def wait(self):  # after backward: launch what is left, wait for all, average
-        self.armed = False
-        self.launch(everything=True)
-        for work, view, wire, early in zip(self.works, self.views, self.wires, self.early):
-            work.wait()
-            if wire is not view:
-                view.copy_(wire)
-            if not early:
-                view /= self.world_size  # SUM, then divide: gloo has no AVG
+        self.final = False
+        if self.world_size == 1:
+            return
+        with self.clock:  # what backward did not hide
+            self.launch(everything=True)
+            for work, view, sent, as_fp16 in zip(self.works, self.views, self.sent, self.as_fp16):
+                work.wait()
+                if sent is not view:
+                    view.copy_(sent)
+                if not as_fp16:
+                    view /= self.world_size  # SUM, then divide: gloo has no AVG
 
 
-def minibatch_gradient(
-    agent, args, buckets, n_params, batch, mb_inds, world_size, autocast, scaler, timer
-):
-    """Leave in buckets.flat the gradient of one minibatch averaged over all ranks (scaled by
-    the fp16 GradScaler when enabled), then its LOSS_STATS. `mb_inds`: a tensor on the batch's
-    device (gather_frames takes no numpy array). `timer` times the waits for collectives.
-    Sample-weighted: a rank's loss counts by its share of the global minibatch, so the average
-    is the gradient on the union even when ranks hold different sample counts (--rank-envs)."""
+def minibatch_gradient(agent, args, coef, batch, mb_inds, buckets, autocast, scaler):
+    """Loss and backward of one minibatch, leaving in buckets.flat its gradient averaged over all
+    ranks once buckets.wait() returns (scaled by the fp16 GradScaler when on), then its
+    LOSS_STATS. `mb_inds`: a tensor on the batch's device. Sample-weighted: a rank's loss counts
+    by its share of the global minibatch, so the average is the gradient on the union even when
+    ranks hold different sample counts (--rank-envs). --grad-accum K: the sum of K micro-batch
+    means / K, one backward each."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
     if args.norm_adv:
-        with timer:  # its tiny all-reduce is where ranks wait for a slower rollout
-            mb_advantages = normalize_advantages(mb_advantages, world_size)
-    flat_grads = buckets.flat
-    flat_grads.zero_()
+        with buckets.clock:  # its tiny all-reduce is where ranks wait for a slower rollout
+            mb_advantages = normalize_advantages(mb_advantages, args.world_size)
+    buckets.flat.zero_()  # never optimizer.zero_grad(): the .grads are views of this buffer
     # this rank's share of the global minibatch x world size: exactly 1.0 when ranks are even
-    share = len(mb_inds) * world_size / args.minibatch_size if world_size > 1 else 1.0
+    share = len(mb_inds) * args.world_size / args.minibatch_size if args.world_size > 1 else 1.0
     micro = len(mb_inds) // args.grad_accum
     loss_fn = getattr(agent, "compiled_loss", ppo_loss)  # --compile: speed_up compiled it
-    for m in range(0, len(mb_inds), micro):  # gradient accumulation: sum of micro-batch means / K
+    for m in range(0, len(mb_inds), micro):
         i = mb_inds[m : m + micro]
+        mb = (b_actions[i], b_logprobs[i], mb_advantages[m : m + micro], b_returns[i], b_values[i])
         with autocast:
-            loss, stats = loss_fn(
-                agent,
-                args,
-                gather_frames(b_obs, i),
-                b_actions[i],
-                b_logprobs[i],
-                mb_advantages[m : m + micro],
-                b_returns[i],
-                b_values[i],
-            )
-        flat_grads[n_params:] += stats * share / args.grad_accum
+            loss, stats = loss_fn(agent, args, coef, gather_frames(b_obs, i), *mb)
+        buckets.stats.add_(stats * share / args.grad_accum)
         if m + micro == len(mb_inds):
-            buckets.arm()  # only the last micro-batch's backward launches all-reduces
+            buckets.expect_final_grads()  # only the last backward launches all-reduces
         scaler.scale(loss * share / args.grad_accum).backward()
-    if world_size > 1:
-        with timer:  # what backward did not hide
-            buckets.wait()
 
 
 # ================================================================================================
@@ -538,17 +582,17 @@ def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
     """Derive every batch size from the subset the user gave; refuse inconsistent ones. The
     local sizes are `rank`'s (they differ between ranks only with --rank-envs)."""
 
-    def need(cond, msg):
-        if not cond:
+    def need(ok, msg):
+        if not ok:
             raise ValueError(msg)
 
-    counts = "local_num_envs num_envs num_steps local_batch_size local_minibatch_size "
-    for name in (counts + "num_minibatches grad_accum total_timesteps update_epochs").split():
+    counts = "local_num_envs num_envs num_steps local_batch_size local_minibatch_size frame_stack"
+    for name in (counts + " num_minibatches grad_accum total_timesteps update_epochs").split():
         value = getattr(args, name)
-        need(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        need(value is None or value >= 1, f"{flag(name)} must be >= 1, got {value}")
     split = args.rank_envs
     if split is not None:  # uneven ranks: own env counts, the same number of minibatches
-        given = [f"--{n.replace('_', '-')}" for n in PER_RANK if getattr(args, n) is not None]
+        given = [flag(n) for n in PER_RANK if getattr(args, n) is not None]
         need(not given, f"--rank-envs gives every rank's sizes: drop {' '.join(given)}")
         msg = f"--rank-envs {' '.join(map(str, split))}"
         need(len(split) == world_size, f"{msg}: one count per rank, world size {world_size}")
@@ -559,55 +603,37 @@ def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
             msg = f"--num-minibatches {n_mb} x --grad-accum {k} does not divide rank {r}'s batch"
             need(envs * steps % (n_mb * k) == 0, f"{msg} ({envs} envs x {steps} steps)")
         args.local_num_envs, args.num_steps, args.num_minibatches = split[rank], steps, n_mb
-    envs, steps, lbs = args.local_num_envs, args.num_steps, args.local_batch_size
-    if args.num_envs is not None and split is None:
-        need(
-            args.num_envs % world_size == 0,
-            f"--num-envs {args.num_envs} is not divisible by the world size {world_size}",
-        )
-        need(
-            envs is None or envs * world_size == args.num_envs,
-            f"--num-envs {args.num_envs} != --local-num-envs {envs} x world size {world_size}",
-        )
-        envs = args.num_envs // world_size
+    envs, steps, lbs, n = args.local_num_envs, args.num_steps, args.local_batch_size, args.num_envs
+    if n is not None and split is None:
+        need(n % world_size == 0, f"--num-envs {n} is not divisible by the world size {world_size}")
+        msg = f"--num-envs {n} != --local-num-envs {envs} x world size {world_size}"
+        need(envs is None or envs * world_size == n, msg)
+        envs = n // world_size
     if envs is None:
         envs = lbs // steps if lbs is not None and steps is not None else 8
     if steps is None:
-        need(
-            lbs is None or lbs % envs == 0,
-            f"--local-batch-size {lbs} is not divisible by --local-num-envs {envs}",
-        )
+        msg = f"--local-batch-size {lbs} is not divisible by --local-num-envs {envs}"
+        need(lbs is None or lbs % envs == 0, msg)
         steps = lbs // envs if lbs is not None else 128
-    need(
-        lbs is None or lbs == envs * steps,
-        f"--local-batch-size {lbs} != --local-num-envs {envs} x --num-steps {steps}",
-    )
+    msg = f"--local-batch-size {lbs} != --local-num-envs {envs} x --num-steps {steps}"
+    need(lbs is None or lbs == envs * steps, msg)
     lbs = envs * steps
     if args.local_minibatch_size is not None:
-        mbs = args.local_minibatch_size
+        mbs, n_mb = args.local_minibatch_size, args.num_minibatches
         need(
             lbs % mbs == 0, f"--local-minibatch-size {mbs} does not divide --local-batch-size {lbs}"
         )
-        need(
-            args.num_minibatches is None or args.num_minibatches * mbs == lbs,
-            f"--num-minibatches {args.num_minibatches} x --local-minibatch-size {mbs} != "
-            f"--local-batch-size {lbs}",
-        )
+        msg = f"--num-minibatches {n_mb} x --local-minibatch-size {mbs} != --local-batch-size {lbs}"
+        need(n_mb is None or n_mb * mbs == lbs, msg)
         n_mb = lbs // mbs
     else:
         n_mb = args.num_minibatches if args.num_minibatches is not None else 4
         need(lbs % n_mb == 0, f"--num-minibatches {n_mb} does not divide --local-batch-size {lbs}")
-    mbs = lbs // n_mb
-    need(
-        mbs % args.grad_accum == 0,
-        f"--grad-accum {args.grad_accum} does not divide --local-minibatch-size {mbs}",
-    )
+    mbs, k = lbs // n_mb, args.grad_accum
+    need(mbs % k == 0, f"--grad-accum {k} does not divide --local-minibatch-size {mbs}")
     total = sum(split) if split else envs * world_size
-    need(
-        args.total_timesteps >= total * steps,
-        f"--total-timesteps {args.total_timesteps} is less than one rollout of all ranks "
-        f"({total * steps} = {total} envs x {steps} steps)",
-    )
+    msg = f"--total-timesteps {args.total_timesteps} is less than one rollout of all ranks"
+    need(args.total_timesteps >= total * steps, f"{msg} ({total * steps} = {total} envs x {steps})")
     if args.balance_envs and world_size > 1 and split is None:  # the even split to start from
         args.rank_envs = [envs] * world_size
     args.local_num_envs, args.num_envs, args.num_steps = envs, total, steps
@@ -661,22 +687,21 @@ def check_args(args: Args, world_size: int, rank: int = 0):
         for name in names.split():
             value = getattr(args, name)
             if value is not None and not ok(value):
-                raise ValueError(f"--{name.replace('_', '-')} must be {need}, got {value}")
+                raise ValueError(f"{flag(name)} must be {need}, got {value}")
     idle = (
         ("device_ids", not args.cuda, "with --no-cuda"),
-        ("backend", world_size == 1, "in a single process"),
-        ("pg_timeout", world_size == 1, "in a single process"),
-        ("bucket_mb", world_size == 1, "in a single process"),
-        ("allreduce_fp16", world_size == 1, "in a single process"),
-        ("balance_envs", world_size == 1, "in a single process"),
+        *((name, world_size == 1, "in a single process") for name in LAUNCH_ONLY),
         ("wandb_project_name", not args.track, "without --track"),
         ("wandb_entity", not args.track, "without --track"),
     )
     return [
-        f"warning: --{name.replace('_', '-')} has no effect {why}"
+        f"warning: {flag(name)} has no effect {why}"
         for name, off, why in idle
         if off and getattr(args, name) != getattr(Args, name)
     ]
+
+
+LAUNCH_ONLY = ("backend", "pg_timeout", "bucket_mb", "allreduce_fp16", "balance_envs")
 
 
 def check_launch(env):
@@ -688,7 +713,7 @@ def check_launch(env):
             f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: launch with torchrun "
             "(or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process)"
         )
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):  # srun sets SLURM_ alone
         if int(env.get(var, 1)) > 1:
             raise ValueError(
                 f"started by an MPI launcher ({var}={env[var]}) without torchrun's RANK: every "
@@ -733,20 +758,18 @@ def choose_device(args: Args, rank, local_rank, world_size, local_world_size, nu
     return device, backend
 
 
-def cpu_threads(local_world_size):
-    """Cores of this node per rank: torchrun's OMP_NUM_THREADS=1 would leave cores idle."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // local_world_size)
-
-
 def thread_counts(args: Args, device, local_world_size):
-    """(torch threads, ale-py threads per env group). On CPU both share the rank's cores (as
-    measured). On CUDA torch's host work is small (GAE in numpy, copies) and the emulators are
-    the CPU's real work: torch gets 1 thread, the native envs the cores (split by two groups)."""
-    cores = cpu_threads(local_world_size)
+    """(torch threads, ale-py threads per env group) from this node's cores per rank (torchrun's
+    OMP_NUM_THREADS=1 would leave cores idle). On CPU both share them (as measured). On CUDA
+    torch's host work is small (GAE in numpy, copies): torch gets 1 thread, and the emulators the
+    cores left, at most one thread per env."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, (cores or 1) // local_world_size)
     if device.type != "cuda":
         return args.threads or cores, args.threads or cores
-    return args.threads or 1, max(1, cores // (2 if args.async_envs else 1))
+    torch_threads, groups = args.threads or 1, 2 if args.async_envs else 1
+    env_cores = max(1, cores - torch_threads) // groups
+    return torch_threads, max(1, min(env_cores, args.local_num_envs // groups))
 
 
 def init_distributed(backend, rank, world_size, pg_timeout):
@@ -785,8 +808,9 @@ def check_same_flags(args: Args, world_size):
     for key, value in everyone[0].items():
         values = [flags.get(key) for flags in everyone]
         if any(v != value for v in values):
-            ranks = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            differ.append(f"--{key.replace('_', '-')} ({ranks})")
+            differ.append(
+                f"{flag(key)} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
+            )
     if differ:
         raise ValueError(f"ranks were launched with different flags: {'; '.join(differ)}")
 
@@ -807,7 +831,7 @@ def one_line(exc, limit):
     return " ".join(str(exc).split())[:limit]
 
 
-def fail(msg, rank, world_size):
+def fail(msg, rank, world_size, code=2):
     """One line naming the rank, then exit 2: for errors every rank detects alike."""
     where = f" [rank {rank}]" if world_size > 1 else ""
     print(f"error{where}: {msg}", file=sys.stderr, flush=True)
@@ -815,7 +839,7 @@ def fail(msg, rank, world_size):
         # the peers check the same input: give them time to print their own line before
         # torchrun stops them (they only note its SIGTERM, see Preemption)
         time.sleep(2)
-    leave(2, world_size > 1)
+    leave(code, world_size > 1)
 
 
 class CrashReport:
@@ -895,26 +919,20 @@ class FailureBoard:
 
 
 # ---- CHECKPOINTS: run name, atomic saves, pruning, resume, run time across restarts -----------
-# The flags that define the learning problem: a resume must keep them. World size, env backend,
-# --async-envs, threads, precision (--amp, --channels-last, --compile), --grad-accum, saving and
-# logging may change (README "Long runs and failures").
-ALGORITHM_FLAGS = tuple(
-    """env_id seed total_timesteps learning_rate anneal_lr num_envs num_steps num_minibatches
-    update_epochs gamma gae_lambda norm_adv clip_coef clip_vloss ent_coef vf_coef max_grad_norm
-    target_kl""".split()
-)
+def identity(args: Args):
+    """The flags that define the run: every field of Args but RESUMABLE."""
+    return {k: v for k, v in vars(args).items() if k not in RESUMABLE}
 
 
 def choose_run_name(args: Args):
-    """--run-name if given. With `--resume auto`, a name made from the exp name and the
-    ALGORITHM_FLAGS: the same command restarted finds its own run, another configuration never
-    does. Otherwise a new timestamped directory, made here so that no other launch can take it."""
+    """--run-name if given. With `--resume auto`, a name made from the run's identity: the same
+    command restarted finds its own run, another configuration never does. Otherwise a new
+    timestamped directory, made here so that no other launch can take it."""
     if args.run_name is not None:
         return args.run_name
     prefix = f"{args.env_id}__{args.exp_name}__{args.seed}__"
     if args.resume == "auto":
-        config = {k: getattr(args, k) for k in ("exp_name",) + ALGORITHM_FLAGS}
-        digest = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()
+        digest = hashlib.sha1(json.dumps(identity(args), sort_keys=True).encode()).hexdigest()
         return f"{prefix}cfg{digest[:10]}"
     stamp, n = f"{prefix}{int(time.time())}", 1
     while True:
@@ -926,27 +944,6 @@ def choose_run_name(args: Args):
             n += 1
 
 
-def rng_state(cuda=False):
-    # numpy's key array is stored as a tensor so that the checkpoint loads with weights_only
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
-    return {
-        "python": random.getstate(),
-        "numpy": numpy_state,
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if cuda else None,
-    }
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def checkpoint_files(ckpt_dir):
     """Checkpoints ordered by the global step in their name: iterations are not comparable
     across resumes with another global batch, steps are."""
@@ -954,61 +951,88 @@ def checkpoint_files(ckpt_dir):
     return sorted(found, key=lambda path: int(os.path.basename(path)[5:-3]))
 
 
-def save_checkpoint(ckpt, ckpt_dir, keep):
-    """Write to a temp file, fsync, then rename: a crash mid-write leaves only a *.tmp file, which
-    neither `--resume auto` nor the pruning below ever picks up (the next save removes it)."""
-    os.makedirs(ckpt_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(ckpt_dir, "*.tmp")):  # rank 0 is the only writer
-        os.remove(stale)
-    path = os.path.join(ckpt_dir, f"ckpt_{ckpt['global_step']:012d}.pt")
-    with open(path + ".tmp", "wb") as f:
-        try:
-            torch.save(ckpt, f)
+def latest_checkpoint(ckpt_dir):
+    found = checkpoint_files(ckpt_dir)
+    return found[-1] if found else None
+
+
+def save_file(obj, path):
+    """torch.save to a temp file, fsync, then rename: a crash or a full disk mid-write leaves
+    the older file intact and no partial one (any error, e.g. torch's zip writer's RuntimeError
+    after the OSError, removes the temp file and is raised as the OSError that caused it)."""
+    try:
+        with open(path + ".tmp", "wb") as f:
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        except OSError:  # a full disk (ENOSPC) or an I/O error (EIO): leave no partial file
-            os.remove(f.name)
-            raise
-    os.replace(path + ".tmp", path)
-    dir_fd = os.open(ckpt_dir, os.O_RDONLY)  # make the rename itself durable
-    os.fsync(dir_fd)
-    os.close(dir_fd)
+        os.replace(path + ".tmp", path)
+        dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)  # the rename itself durable
+        os.fsync(dir_fd)
+        os.close(dir_fd)
+    except Exception as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        cause = e
+        while not isinstance(cause, OSError) and cause.__context__ is not None:
+            cause = cause.__context__
+        raise cause if isinstance(cause, OSError) else OSError(one_line(e, 160)) from e
+
+
+def save_checkpoint(ckpt, ckpt_dir, keep):
+    """A new checkpoint (save_file), then the oldest beyond `keep` removed; a temp file left by a
+    crash is removed first (rank 0 is the only writer; no resume or pruning reads *.tmp)."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(ckpt_dir, "*.tmp")):
+        os.remove(stale)
+    path = os.path.join(ckpt_dir, f"ckpt_{ckpt['global_step']:012d}.pt")
+    save_file(ckpt, path)
     for old in checkpoint_files(ckpt_dir)[:-keep]:
         if old != path:  # after a resume past a skipped bad file, the new one may sort lower
             os.remove(old)
     return path
 
 
-def latest_checkpoint(ckpt_dir):
-    found = checkpoint_files(ckpt_dir)
-    return found[-1] if found else None
-
-
-def load_checkpoint(path, num_actions):
-    """A checkpoint (or a bare model state_dict) that fits this env and network, or ValueError."""
+def load_checkpoint(path, agent):
+    """A checkpoint (or a bare model state_dict) that fits `agent`, or ValueError. Tensors only
+    (weights_only): a file that holds other objects is refused before anything in it runs."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's own lines about pickle: ours says it all
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ValueError(f"checkpoint {path} does not exist")
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" not in str(e):
+            raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}")
+        raise ValueError(
+            f"checkpoint {path} holds objects other than tensors: refused, nothing "
+            "from it was run (load only files you trust, by other means)"
+        )
     except Exception as e:
         raise ValueError(
             f"checkpoint {path} is unreadable (truncated or corrupt?): "
             f"{type(e).__name__}: {one_line(e, 160)}"
         )
     ckpt = ckpt if isinstance(ckpt, dict) and "model" in ckpt else {"model": ckpt}
-    model = ckpt["model"]
+    model, own = ckpt["model"], agent.state_dict()
     if not isinstance(model, dict) or "actor.weight" not in model:
         raise ValueError(f"checkpoint {path} holds no PPO Atari model")
-    if model["actor.weight"].shape[0] != num_actions:
+    if model["actor.weight"].shape[0] != own["actor.weight"].shape[0]:
         env_id = ckpt.get("args", {}).get("env_id", "unknown env")
         raise ValueError(
             f"checkpoint {path} was trained with {model['actor.weight'].shape[0]} actions "
-            f"({env_id}); this env has {num_actions}"
+            f"({env_id}); this env has {own['actor.weight'].shape[0]}"
         )
-    try:
-        Agent(num_actions).load_state_dict(model)
-    except RuntimeError as e:
-        raise ValueError(f"checkpoint {path} does not fit the network: {one_line(e, 200)}")
+    bad = [
+        k
+        for k in own.keys() | model.keys()
+        if k not in own or model.get(k) is None or model[k].shape != own[k].shape
+    ]
+    if bad:
+        first = sorted(bad)[0]
+        saw = tuple(model[first].shape) if first in model else "missing"
+        want = tuple(own[first].shape) if first in own else "not in this network"
+        raise ValueError(f"checkpoint {path} does not fit the network: {first} {saw} vs {want}")
     return ckpt
 
 
@@ -1021,17 +1045,15 @@ def resume_problem(ckpt, path, args: Args):
             "it with --eval-checkpoint"
         )
     saved = ckpt.get("args", {})
-    changed = []
-    for k in ALGORITHM_FLAGS:
-        if saved.get(k, "(not saved)") != getattr(args, k):
-            changed.append(
-                f"--{k.replace('_', '-')} {saved.get(k, '(not saved)')} -> {getattr(args, k)}"
-            )
+    changed = [  # a field the checkpoint predates had its default then
+        f"{flag(k)} {saved.get(k, getattr(Args, k, None))} -> {v}"
+        for k, v in identity(args).items()
+        if saved.get(k, getattr(Args, k, None)) != v
+    ]
     if changed:
         return (
-            f"{path} was trained with other algorithm flags ({', '.join(changed)}): resume with "
-            "the saved values (--num-envs keeps the global batch at another world size), or "
-            "start a new run"
+            f"{path} was trained with other flags ({', '.join(changed)}): resume with the saved "
+            "values (--num-envs keeps the global batch at another world size), or start a new run"
         )
     return None
 
@@ -1040,13 +1062,13 @@ class Checkpointer:
     """Owns runs/<run_name>/checkpoints: when to save, what a checkpoint holds, resume, and the
     run's training time summed over restarts (for honest SPS after a resume)."""
 
-    def __init__(self, args: Args, run_name, rank, world_size, device):
+    def __init__(self, args: Args, run_name, rank, world_size):
         self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
-        self.rank, self.world_size, self.cuda = rank, world_size, device.type == "cuda"
+        self.rank, self.world_size = rank, world_size
         self.elapsed_before, self.save_error, self.lock, self.split = 0.0, None, None, None
         self.start = self.last_save = time.time()
 
-    def claim(self):
+    def lock_run_dir(self):
         """Rank 0 locks runs/<run_name>/lock (the kernel drops it when the process ends, however)
         and so checks that the run directory can be written; the verdict stops every rank."""
         error, lock = None, f"runs/{self.run_name}/lock"
@@ -1081,7 +1103,7 @@ class Checkpointer:
             tried = []
             for path in reversed(checkpoint_files(self.dir)) if auto else [self.args.resume]:
                 try:
-                    ckpt = load_checkpoint(path, agent.actor.out_features)
+                    ckpt = load_checkpoint(path, agent)
                     error = resume_problem(ckpt, path, self.args)
                 except ValueError as e:
                     ckpt, error = None, str(e)
@@ -1096,41 +1118,31 @@ class Checkpointer:
             fail(error, self.rank, self.world_size)
         if ckpt is None:
             return 0
-        total = self.args.num_iterations * self.args.batch_size
-        if ckpt["global_step"] >= total:
+        step, total = ckpt["global_step"], self.args.num_iterations * self.args.batch_size
+        if step >= total:
             if self.rank == 0:
-                print(
-                    f"run {self.run_name} is complete ({path}, step {ckpt['global_step']}): "
-                    "nothing to do"
-                )
+                print(f"run {self.run_name} is complete ({path}, step {step}): nothing to do")
             leave(0, self.world_size > 1)
         agent.load_state_dict(ckpt["model"])  # in place: the gradient views stay valid
-        # a checkpoint's param groups carry the Adam kernel flags of the trainer that wrote it
-        kernel = {k: optimizer.param_groups[0][k] for k in ("fused", "foreach")}
+        # the saved param groups carry the Adam kernel flags of the trainer that wrote them, and
+        # load_state_dict places each `step` by them: write this trainer's flags in first
+        for group in ckpt["optimizer"]["param_groups"]:
+            group.update({k: optimizer.param_groups[0][k] for k in ("fused", "foreach")})
         optimizer.load_state_dict(ckpt["optimizer"])
-        for group in optimizer.param_groups:
-            group.update(kernel)
         if ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
         same_world = ckpt["world_size"] == self.world_size
         self.split = ckpt["args"].get("rank_envs") if same_world else None  # --balance-envs
-        if same_world:
-            set_rng_state(ckpt["rng"][self.rank])
         self.elapsed_before = ckpt["elapsed"]
+        seed_everything(self.args.seed + self.rank + step)  # random streams no start has used
         if self.rank == 0:
-            rngs = f"; world size {ckpt['world_size']} -> {self.world_size}, RNGs not restored"
-            rngs = "" if same_world else rngs
             print(
-                f"resumed {path}: iteration {ckpt['global_step'] // self.args.batch_size + 1}, "
-                f"global step {ckpt['global_step']}; environments start fresh{rngs}"
+                f"resumed {path}: iteration {step // self.args.batch_size + 1}, global step "
+                f"{step}; environments start fresh"
             )
-        return ckpt["global_step"]
+        return step
 
-    def rng_state(self):
-        """This rank's RNG states, gathered from every rank each iteration for the next save."""
-        return rng_state(self.cuda)
-
-    def maybe_save(self, iteration, global_step, agent, optimizer, scaler, rngs, now=False):
+    def maybe_save(self, iteration, global_step, agent, optimizer, scaler, now=False):
         """Rank 0: save every --save-interval iterations, every --save-minutes, at the end, and
         `now` (preemption). Returns the path written, or None: a failed save (full disk, I/O
         error) warns and training goes on, a failed final save is left in save_error for MAIN."""
@@ -1150,7 +1162,6 @@ class Checkpointer:
             "iteration": iteration,
             "global_step": global_step,
             "args": vars(a),
-            "rng": rngs,
             "world_size": self.world_size,
             "elapsed": self.elapsed(),
         }
@@ -1158,8 +1169,9 @@ class Checkpointer:
             path = save_checkpoint(ckpt, self.dir, a.keep_checkpoints)
         except OSError as e:  # the older checkpoints are intact: the next save tries again
             error = f"checkpoint at step {global_step} was not saved: {one_line(e, 160)}"
-            if iteration == a.num_iterations and not now:
-                self.save_error = f"the final {error}"  # MAIN stops the run with it
+            if iteration == a.num_iterations and not now:  # MAIN stops the run with it
+                last = latest_checkpoint(self.dir)
+                self.save_error = f"the final {error}; the last good checkpoint is {last}"
             else:
                 print(f"warning: {error}; the next save tries again", file=sys.stderr, flush=True)
             return None
@@ -1193,7 +1205,7 @@ class Preemption:
         if self.signalled is None:
             self.signalled, self.since = name, time.time()
 
-    def leave(self, stopped, saved, args: Args, distributed):
+    def exit_after_save(self, stopped, saved, args: Args, distributed):
         """After rank 0's save: every rank exits INTERRUPTED if each signal was a Ctrl-C, else
         PREEMPTED; rank 0 says what it saved and the command that continues the run."""
         code = INTERRUPTED if all(s.endswith("SIGINT") for s in stopped) else PREEMPTED
@@ -1204,9 +1216,10 @@ class Preemption:
             again = (
                 [] if args.resume == "auto" else ["--run-name", args.run_name, "--resume", "auto"]
             )
+            launcher = "torchrun ..." if distributed else "python"
             print(
                 f"{what} ({', '.join(stopped)}): {saved}; exit {code}, continue with: "
-                f"{'torchrun ...' if distributed else 'python'} {shlex.join(sys.argv + again)}",
+                f"{launcher} {shlex.join(sys.argv + again)}",
                 flush=True,
             )
         if distributed:
@@ -1215,62 +1228,59 @@ class Preemption:
 
 
 # ---- EVALUATION: full games with the final (or a saved) model ---------------------------------
-def evaluate(agent, env_id, episodes, device, capture_video, run_name, seed, max_envs=16):
-    """Real game returns of `episodes` full games, played through the training pipeline (after a
-    lost life FIRE is pressed as in training; a game counts at game over, with all its lives).
-    Each env contributes the same number of games, so short games are not over-represented."""
+def evaluate(agent, args: Args, device, run_name, max_envs=16):
+    """Real game returns of --eval-episodes full games, played through the training pipeline
+    (after a lost life FIRE is pressed as in training; a game counts at game over, with all its
+    lives). Each env plays the same number of games, so short games are not over-represented."""
+    episodes = args.eval_episodes
     n_envs = min(episodes, max_envs)
     quota = math.ceil(episodes / n_envs)
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(env_id, i, capture_video, f"{run_name}-eval") for i in range(n_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-    )
+    thunks = [
+        make_env(args.env_id, i, args.capture_video, f"{run_name}-eval", args.frame_stack)
+        for i in range(n_envs)
+    ]
+    envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     games = [[] for _ in range(n_envs)]
-    next_obs, _ = envs.reset(seed=env_seeds(seed + 10**6, 0, n_envs))  # games training never saw
+    next_obs, _ = envs.reset(
+        seed=env_seeds(args.seed + 10**6, 0, n_envs)
+    )  # games unseen in training
     while min(len(g) for g in games) < quota:
         with torch.inference_mode():
-            obs = torch.as_tensor(next_obs, device=device)
-            action = Agent.act(agent, obs)[0]  # eager: --compile would compile this batch size
+            # eager: --compile would compile this batch size
+            action = agent.get_action_and_value(torch.as_tensor(next_obs, device=device))[0]
         next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
         if "final_info" in infos and "episode" in infos["final_info"]:
             for i in np.flatnonzero(infos["final_info"]["_episode"]):
                 games[i].append(float(infos["final_info"]["episode"]["r"][i]))
     envs.close()
     # the k-th game of every env before any env's (k+1)-th
-    returns = []
-    for k in range(quota):
-        for g in games:
-            returns.append(g[k])
-    return returns[:episodes]
+    return [games[i][k] for k in range(quota) for i in range(n_envs)][:episodes]
 
 
 def evaluate_checkpoint(args: Args, device, rank, world_size):
     """--eval-checkpoint: rank 0 plays --eval-episodes games with a saved model and prints them."""
     if rank != 0:
         return
-    agent = Agent(gym.make(args.env_id).action_space.n).to(device)
+    env = make_env(args.env_id, 0, False, "", args.frame_stack)()
+    agent = Agent(env.observation_space.shape, env.action_space.n).to(device)
     try:
-        ckpt = load_checkpoint(args.eval_checkpoint, agent.actor.out_features)
+        agent.load_state_dict(load_checkpoint(args.eval_checkpoint, agent)["model"])
     except ValueError as e:
         fail(e, rank, world_size)
-    agent.load_state_dict(ckpt["model"])
-    run_name = os.path.basename(args.eval_checkpoint)
-    returns = evaluate(
-        agent, args.env_id, args.eval_episodes, device, args.capture_video, run_name, args.seed
-    )
-    lo, hi = min(returns), max(returns)
+    returns = evaluate(agent, args, device, os.path.basename(args.eval_checkpoint))
     print(
         f"eval {args.eval_checkpoint} on {args.env_id}: {len(returns)} episodes, return "
-        f"{np.mean(returns):.2f} +- {np.std(returns):.2f} (min {lo:g}, max {hi:g})"
+        f"{np.mean(returns):.2f} +- {np.std(returns):.2f} (min {min(returns):g}, max "
+        f"{max(returns):g})"
     )
 
 
-# ---- ENV BACKENDS: sync / native, and --async-envs double buffering, behind one step() --------
+# ---- ENV BACKENDS: sync / native, and --async-envs double buffering ---------------------------
 class NativeVectorEnv:
     """--env-backend native: ale-py's C++ vector env (threads), behind the SyncVectorEnv API and
     info format the rollout loop reads, with our pipeline's semantics (README "Flags")."""
 
-    def __init__(self, env_id, num_envs, num_threads):
+    def __init__(self, env_id, num_envs, num_threads, frame_stack):
         # e.g. "BreakoutNoFrameskip-v4" -> game "breakout", its sticky actions and time limit
         kw = gym.spec(env_id).kwargs
         self.env = AtariVectorEnv(
@@ -1286,7 +1296,7 @@ class NativeVectorEnv:
             grayscale=True,
             img_height=84,
             img_width=84,
-            stack_num=1,  # we stack: a new life/game starts from 4 copies of its first frame
+            stack_num=1,  # we stack: a new life/game starts from copies of its first frame
             episodic_life=False,  # True would reset the whole game at every life loss; instead
             life_loss_info=True,  # a life loss only sets terminated, and the game goes on
             reward_clipping=False,  # returns must be the real score; we clip the agent's reward
@@ -1294,8 +1304,8 @@ class NativeVectorEnv:
             full_action_space=kw.get("full_action_space", False),
             max_num_frames_per_episode=kw.get("max_num_frames_per_episode", 108000),
         )
-        self.num_envs = num_envs
-        self.single_observation_space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+        self.num_envs, self.frame_stack = num_envs, frame_stack
+        self.single_observation_space = gym.spaces.Box(0, 255, (frame_stack, 84, 84), np.uint8)
         self.single_action_space = self.env.single_action_space
 
     def _info(self, info):
@@ -1311,7 +1321,7 @@ class NativeVectorEnv:
             seed = int(seed) if np.ndim(seed) == 0 else np.asarray(seed, dtype=np.int64)
         frame, info = self.env.reset(seed=seed)
         self.returns = np.zeros(self.num_envs)  # unclipped score of the running game, all lives
-        self.stack = np.repeat(frame, 4, axis=1)
+        self.stack = np.repeat(frame, self.frame_stack, axis=1)
         return self.stack, self._info(info)
 
     def step(self, actions):
@@ -1321,8 +1331,7 @@ class NativeVectorEnv:
     def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
         # Every action is the agent's, FIRE after a lost life too: a forced FIRE would be a
         # transition whose action the policy did not choose (benchmark/results/notes.md).
-        actions = np.asarray(actions, dtype=np.int64)
-        self.env.send(actions)
+        self.env.send(np.asarray(actions, dtype=np.int64))
 
     def step_wait(self):
         frame, reward, term, trunc, info = self.env.recv()
@@ -1337,11 +1346,11 @@ class NativeVectorEnv:
         done = term | trunc
         last = np.concatenate([self.stack[:, 1:], frame], axis=1)
         if game_over.any():  # SAME_STEP: `frame` is already the new game's first frame there
-            last[game_over, 3] = info["final_obs"][game_over, 0]
-        # New life or game: 4 copies of its first frame. np.where makes a new array every step,
+            last[game_over, -1] = info["final_obs"][game_over, 0]
+        # New life or game: copies of its first frame. np.where makes a new array every step,
         # so an obs handed out earlier (maybe shared by a CPU tensor) is never overwritten.
         self.stack = np.where(done[:, None, None, None], frame, last)
-        if done.any():  # as gymnasium, but final_obs is one (N,4,84,84) array (valid where done)
+        if done.any():  # as gymnasium, but final_obs is one (N, C, 84, 84) array (valid where done)
             infos.update(final_obs=last, _final_obs=done, final_info={}, _final_info=done)
             if game_over.any():
                 episode = {
@@ -1382,29 +1391,44 @@ def env_worker(*args):
 
 
 class RankEnvs:
-    """This rank's envs: one group, or two for --async-envs; sync or native backend. step() acts
-    with the policy and steps every env, so the rollout reads the same for every choice."""
+    """This rank's envs: one group, or two for --async-envs; sync or native backend; the time
+    spent waiting for the emulators in env_time. The storage holds uint8 frames, channels first:
+    anything else is refused here, at start."""
 
     def __init__(self, args: Args, run_name, capture_video, threads=None):
         self.num_envs = n = args.local_num_envs
         self.groups = [range(n)] if not args.async_envs else [range(n // 2), range(n // 2, n)]
         self.threads = threads or torch.get_num_threads()  # ale-py's, per group (native)
         if args.env_backend == "native":
-            self.envs = [NativeVectorEnv(args.env_id, len(g), self.threads) for g in self.groups]
+            self.envs = [
+                NativeVectorEnv(args.env_id, len(g), self.threads, args.frame_stack)
+                for g in self.groups
+            ]
         else:
             # SAME_STEP: no fake transition after an episode end (gymnasium 1.x's default)
             kw = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
             vector_env = gym.vector.SyncVectorEnv
             if args.async_envs:  # subprocesses; forkserver: never fork a process that runs CUDA
-                vector_env, kw["context"] = gym.vector.AsyncVectorEnv, "forkserver"
-                kw["worker"] = env_worker
+                vector_env, kw["context"], kw["worker"] = (
+                    gym.vector.AsyncVectorEnv,
+                    "forkserver",
+                    env_worker,
+                )
             self.envs = []
             for g in self.groups:
-                thunks = [make_env(args.env_id, i, capture_video, run_name) for i in g]
+                thunks = [
+                    make_env(args.env_id, i, capture_video, run_name, args.frame_stack) for i in g
+                ]
                 self.envs.append(vector_env(thunks, **kw))
-        self.single_observation_space = self.envs[0].single_observation_space
+        self.single_observation_space = space = self.envs[0].single_observation_space
         self.single_action_space = self.envs[0].single_action_space
-        self.env_time = 0.0  # seconds spent waiting for the emulators
+        if space.dtype != np.uint8 or len(space.shape) != 3 or space.shape[0] != args.frame_stack:
+            self.close()
+            raise ValueError(
+                f"the rollout storage holds uint8 frames, channels first ({args.frame_stack}, H, "
+                f"W): {args.env_id} gives {space.dtype} {space.shape}"
+            )
+        self.env_time = 0.0
 
     def reset(self, seeds):
         frames = []
@@ -1412,24 +1436,21 @@ class RankEnvs:
             frames.append(env.reset(seed=[seeds[i] for i in g])[0])
         return np.concatenate(frames)
 
-    def step(self, policy, obs):
-        """Act on `obs` with `policy` (Agent.act) and step the envs. Returns (action, logprob,
-        value) and gymnasium's (obs, reward, terminated, truncated, infos)."""
-        if len(self.envs) == 1:
-            action, logprob, value = policy(obs)
-            action_np = action.cpu().numpy()
-            t = time.perf_counter()
-            result = self.envs[0].step(action_np)
-            self.env_time += time.perf_counter() - t
-            return (action, logprob, value), result
-        # --async-envs: the first group's envs step while the policy acts for the second. Still
-        # on-policy: every action comes from the same weights.
+    def step(self, actions):
+        t = time.perf_counter()
+        result = self.envs[0].step(actions)
+        self.env_time += time.perf_counter() - t
+        return result
+
+    def act_and_step(self, policy, obs):
+        """--async-envs: the first group's envs step while the policy acts for the second. Still
+        on-policy: every action comes from the same weights. Returns policy(obs) and step()'s."""
         outs = []
         for env, g in zip(self.envs, self.groups):
             # copies: with --cuda-graphs the next group's replay overwrites the graph's outputs
-            action, logprob, value = (t.clone() for t in policy(obs[g.start : g.stop]))
-            env.step_async(action.cpu().numpy())
-            outs.append((action, logprob, value))
+            out = [t.clone() for t in policy(obs[g.start : g.stop])]
+            env.step_async(out[0].cpu().numpy())
+            outs.append(out)
         t = time.perf_counter()
         results = [env.step_wait() for env in self.envs]
         self.env_time += time.perf_counter() - t
@@ -1457,16 +1478,39 @@ def keep_freed_memory():
     return libc.mallopt(m_trim_threshold, 2**31 - 1) == 1 and ok
 
 
-def speed_up(agent, args: Args, overlap=False):
-    """Same-math layout changes (channels-last weights, NCHW again before the last conv's ReLU)
-    and the opt-in compile. `overlap`: GradBuckets all-reduces during backward (several ranks).
+def network_roles(network):
+    """The layers the fast path needs, found by role, not position: the first nn.Flatten (where
+    the convolutional part ends) and the parameter-free layer just before it in its
+    nn.Sequential (the last convolution's activation); None where the network has no such one."""
+    for parent in network.modules():
+        layers = list(parent) if isinstance(parent, nn.Sequential) else []
+        for i, layer in enumerate(layers):
+            if isinstance(layer, nn.Flatten):
+                before = layers[i - 1] if i else None
+                if before is not None and next(before.parameters(), None) is not None:
+                    before = None
+                return layer, before
+    return None, None
+
+
+def speed_up(agent, args: Args, overlap=False, say=None):
+    """Same-math layout changes (channels-last weights; NCHW again before the last convolution's
+    activation) and the opt-in compile. `overlap`: GradBuckets all-reduces during backward
+    (several ranks). A trick the network does not fit is skipped, and `say` told so once.
     Call BEFORE flat_grad_buffer."""
+    flatten, last_activation = network_roles(agent.network)
+    skipped = []
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
-        # the last conv's output back to NCHW before its ReLU (Flatten copies it so anyway):
         # ReLU's backward is ~30x slower when its gradient (NCHW, from Flatten) and its saved
-        # output (channels-last) differ in layout
-        agent.network[5].register_forward_pre_hook(lambda _, inputs: (inputs[0].contiguous(),))
+        # output (channels-last) differ in layout: its input goes NCHW (Flatten copies so anyway)
+        if last_activation is not None:
+            last_activation.register_forward_pre_hook(lambda _, inputs: (inputs[0].contiguous(),))
+        elif any(p.dim() == 4 for p in agent.parameters()):
+            skipped.append(
+                "no parameter-free layer just before nn.Flatten: the last activation's "
+                "backward runs in mixed layouts (slower)"
+            )
     if args.compile:
         # The rollout's policy step and the whole loss of a (micro-)batch, network, frame
         # conversion and statistics included (AOTAutograd compiles its backward too). Fixed
@@ -1485,25 +1529,31 @@ def speed_up(agent, args: Args, overlap=False):
         # On a CPU under --amp the eager policy step is faster: autocast casts the weights once
         # per rollout (MAIN's one no_grad region), a compiled step casts them on every call.
         if args.amp == "none" or next(agent.parameters()).is_cuda:
-            agent.act = torch.compile(agent.act, dynamic=False, mode=mode)
+            agent.compiled_policy = torch.compile(
+                agent.get_action_and_value, dynamic=False, mode=mode
+            )
         agent.compiled_loss = torch.compile(ppo_loss, dynamic=False, mode=mode)
-        if overlap:
-            # AOTAutograd runs a graph's backward as one node, so in one graph no gradient is
-            # ready (and no bucket goes out) until all of backward ends. A graph break after the
-            # convolutions, in training only, lets fc's and the heads' buckets go out while the
-            # convolutions' backward runs, as in eager (tested).
-            agent.network[6].register_forward_pre_hook(
+        # AOTAutograd runs a graph's backward as one node, so in one graph no gradient is ready
+        # (and no bucket goes out) until all of backward ends. A graph break where the
+        # convolutions end, in training only, lets the later layers' buckets go out while the
+        # convolutions' backward runs, as in eager (tested).
+        if overlap and flatten is not None:
+            flatten.register_forward_pre_hook(
                 lambda *_: torch._dynamo.graph_break() if torch.is_grad_enabled() else None
             )
+        elif overlap:
+            skipped.append("no nn.Flatten: under --compile the all-reduce waits for all backward")
+    if skipped and say:
+        say(f"fast path: {'; '.join(skipped)}")
     return agent
 
 
 def network_input(x, first_weight):
-    """Frames / 255 as the first conv takes them. With channels-last weights the uint8 frames are
-    reordered BEFORE the division (oneDNN would otherwise reorder a 4x larger float copy on every
-    call). Under --amp the conv would cast fp32 frames to the autocast dtype, so bytes go straight
-    to it: the same values, as bytes are exact there and the division rounds once."""
-    if first_weight.is_contiguous(memory_format=torch.channels_last):
+    """Frames / 255 as the first layer takes them. With channels-last weights the uint8 frames
+    are reordered BEFORE the division (oneDNN would otherwise reorder a 4x larger float copy on
+    every call). Under --amp the layer would cast fp32 frames to the autocast dtype, so bytes go
+    straight to it: the same values, as bytes are exact there and the division rounds once."""
+    if first_weight.is_contiguous(memory_format=torch.channels_last) and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     dtype = torch.float32
     if x.dtype == torch.uint8 and torch.is_autocast_enabled(x.device.type):
@@ -1528,16 +1578,6 @@ def frame_buffer(shape, channels_last, device):
         (shape[0] * shape[1], *shape[2:]), dtype=torch.uint8, device=device, memory_format=layout
     )
     return flat.zero_().view(shape)
-
-
-def upload(array, device):
-    """A numpy array as a tensor on `device` (on CPU it shares the array's memory). On CUDA the
-    bytes go through pinned memory with non_blocking: a pageable copy would make the host wait
-    for the GPU. torch's pinned allocator keeps each block until its copy has run."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class StepUpload:
@@ -1643,37 +1683,76 @@ def time_shares(times):
 
 
 def busy_seconds(times):
+    """The iteration without the collectives: waiting in them makes every rank's wall time the
+    slowest one's, so only this tells the ranks' speeds apart."""
     return times["rollout"] + times["update"] - times["allreduce"]
 
 
-def load_imbalance(busy_seconds):
-    """(slowest rank's busy time over the mean, that rank). Busy = the iteration without the
-    collectives, because waiting in them makes every rank's wall time the slowest one's."""
-    mean = sum(busy_seconds) / len(busy_seconds)
-    slow = max(range(len(busy_seconds)), key=busy_seconds.__getitem__)
-    return (busy_seconds[slow] / mean if mean > 0 else 1.0), slow
+def load_imbalance(busy):
+    """(slowest rank's busy seconds over the mean, that rank)."""
+    mean = sum(busy) / len(busy)
+    slow = max(range(len(busy)), key=busy.__getitem__)
+    return (busy[slow] / mean if mean > 0 else 1.0), slow
 
 
 class Progress:
-    """Rank 0's progress line: at the first and last iteration and every --print-every seconds,
-    with elapsed time, ETA, SPS, recent return and the load imbalance when it matters."""
+    """Rank 0's logging of each iteration: every rank's episodes, losses and perf/* tags, and the
+    progress line at the first and last iteration and every --print-every seconds, with elapsed
+    time, ETA, SPS, recent return and the load imbalance when it matters."""
 
     def __init__(self, args: Args, start_step):
         self.args, self.start_step = args, start_step
         self.start = self.last = time.time()
+        self.recent_returns, self.num_episodes = deque(maxlen=100), 0
         self.totals = {}  # rank -> summed seconds and peak memory, for the table at the end
-        self.first_seconds = []  # the slowest rank's first two iterations, for --compile
+        self.iteration_seconds = []  # the slowest rank's first two iterations, for --compile
 
-    def add(self, reports):
-        if len(self.first_seconds) < 2:
-            busy = [r["times"]["rollout"] + r["times"]["update"] for r in reports]
-            self.first_seconds.append(max(busy))
+    def log(self, writer, reports, iteration, global_step, sps, lr, stats):
+        """The per-iteration logging; `reports`: every rank's (MAIN gathers them)."""
+        for step_at, ret, length in sorted(e for r in reports for e in r["episodes"]):
+            writer.add_scalar("charts/episodic_return", ret, step_at)
+            writer.add_scalar("charts/episodic_length", length, step_at)
+            self.recent_returns.append(ret)
+            self.num_episodes += 1
+        writer.add_scalar("charts/learning_rate", lr, global_step)
+        for name, value in stats.items():
+            writer.add_scalar(f"losses/{name}", value, global_step)
+        split = [r["envs"] for r in reports]
+        evs = np.array([r["explained_variance"] for r in reports])  # weighted by samples
+        ok = ~np.isnan(evs)
+        ev = np.average(evs[ok], weights=np.array(split)[ok]) if ok.any() else np.nan
+        writer.add_scalar("losses/explained_variance", ev, global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
         for r, rep in enumerate(reports):
+            writer.add_scalar(f"perf/envs/rank{r}", rep["envs"], global_step)
+            for key, seconds in rep["times"].items():
+                writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
+            for key, share in time_shares(rep["times"]).items():
+                writer.add_scalar(f"perf/share_{key}/rank{r}", share, global_step)
+            for key, value in rep["resources"].items():
+                writer.add_scalar(f"perf/{key}/rank{r}", value, global_step)
             total = self.totals.setdefault(r, dict.fromkeys(rep["times"], 0.0))
             for key, seconds in rep["times"].items():
                 total[key] += seconds
             for key, value in rep["resources"].items():
                 total[key] = max(total.get(key, 0.0), value)
+        imbalance = load_imbalance([busy_seconds(rep["times"]) for rep in reports])
+        writer.add_scalar("perf/imbalance", imbalance[0], global_step)
+        if len(self.iteration_seconds) < 2:  # --compile compiles in the first iteration
+            seconds = max(r["times"]["rollout"] + r["times"]["update"] for r in reports)
+            self.iteration_seconds.append(seconds)
+            if self.args.compile and len(self.iteration_seconds) == 2:
+                first, second = self.iteration_seconds
+                print(
+                    f"--compile: ~{first - second:.0f} s compiling, paid once (iteration 1 took "
+                    f"{first:.1f} s, iteration 2 {second:.1f} s)",
+                    flush=True,
+                )
+        line = self.line(
+            iteration, global_step, sps, self.recent_returns, self.num_episodes, imbalance
+        )
+        if line:
+            print(line, flush=True)
 
     def line(self, iteration, global_step, sps, recent_returns, num_episodes, imbalance):
         now, last_iteration = time.time(), iteration == self.args.num_iterations
@@ -1694,17 +1773,15 @@ class Progress:
             line += f" | imbalance {ratio:.2f}: rank {slow} is slowest"
         return line
 
-    def compile_line(self):
-        """--compile compiles in the first iteration (one graph per batch size, none later)."""
-        first, second = self.first_seconds
-        return (
-            f"--compile: ~{first - second:.0f} s compiling, paid once (iteration 1 took "
-            f"{first:.1f} s, iteration 2 {second:.1f} s)"
-        )
-
-    def table(self):
-        """Per-rank seconds (summed over this session) and peak memory, one row per rank."""
-        rows = ["rank | rollout s | env s | update s | all-reduce s | host RSS GiB | GPU GiB"]
+    def summary(self, global_step, elapsed, replicas_ok):
+        """The end's lines: totals, and per-rank seconds (summed over this session) and memory."""
+        mean_return = f"{np.mean(self.recent_returns):.2f}" if self.recent_returns else "n/a"
+        rows = [
+            f"done: {global_step} steps in {clock(elapsed)}, SPS {int(global_step / elapsed)}, "
+            f"mean return (last {len(self.recent_returns)} episodes) {mean_return}, "
+            f"{self.num_episodes} episodes, replicas identical: {replicas_ok}",
+            "rank | rollout s | env s | update s | all-reduce s | host RSS GiB | GPU GiB",
+        ]
         for r, t in sorted(self.totals.items()):
             gpu = f"{t['gpu_mem_reserved_gb']:.2f}" if "gpu_mem_reserved_gb" in t else "-"
             rows.append(
@@ -1750,19 +1827,13 @@ def clock(seconds):
     return str(datetime.timedelta(seconds=int(seconds)))
 
 
-def log_perf(writer, reports, global_step, split):
-    """perf/* tags of every rank: seconds, shares of the iteration, memory, envs, imbalance."""
-    for r, rep in enumerate(reports):
-        writer.add_scalar(f"perf/envs/rank{r}", split[r], global_step)
-        for key, seconds in rep["times"].items():
-            writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
-        for key, share in time_shares(rep["times"]).items():
-            writer.add_scalar(f"perf/share_{key}/rank{r}", share, global_step)
-        for key, value in rep["resources"].items():
-            writer.add_scalar(f"perf/{key}/rank{r}", value, global_step)
-    imbalance = load_imbalance([busy_seconds(rep["times"]) for rep in reports])
-    writer.add_scalar("perf/imbalance", imbalance[0], global_step)
-    return imbalance
+def gather_reports(report, world_size):
+    """Every rank's report of this iteration on every rank (one all_gather_object)."""
+    if world_size == 1:
+        return [report]
+    reports = [None] * world_size
+    dist.all_gather_object(reports, report)
+    return reports
 
 
 # ---- BALANCE: --balance-envs moves envs from slower ranks to faster ones (README "Uneven ranks") -
@@ -1779,47 +1850,44 @@ class Balancer:
     every minibatch, stays: only which rank plays which games changes."""
 
     def __init__(self, args: Args, world_size):
-        self.on, self.seen, self.tried, self.iteration = (
-            args.balance_envs and world_size > 1,
-            [],
-            {},
-            0,
-        )
+        self.enabled = args.balance_envs and world_size > 1
+        self.since_move, self.measured, self.iteration = [], {}, 0  # busy seconds; split -> time
         k = args.num_minibatches * args.grad_accum  # every rank's batch must split into these
         self.granule = k // math.gcd(args.num_steps, k)
-        self.least = self.granule * math.ceil((2 if args.async_envs else 1) / self.granule)
+        self.min_envs = self.granule * math.ceil((2 if args.async_envs else 1) / self.granule)
 
     def fits(self, split, args: Args):  # a saved split: this world size, num_envs and granule
-        ok = self.on and split is not None and len(split) == len(args.rank_envs)
-        ok = ok and sum(split) == args.num_envs and min(split) >= self.least
+        ok = self.enabled and split is not None and len(split) == len(args.rank_envs)
+        ok = ok and sum(split) == args.num_envs and min(split) >= self.min_envs
         return ok and all(n % self.granule == 0 for n in split)
 
     def decide(self, split, busy):
         """After an iteration's busy seconds: (new split, imbalance, predicted one) or None."""
-        if not self.on:
+        if not self.enabled:
             return None
-        self.seen.append(busy)
+        self.since_move.append(busy)
         self.iteration += 1
-        window = self.seen[1:][-BALANCE_FOR:]
-        if len(self.seen) < BALANCE_EVERY or len(window) < BALANCE_FOR:
+        window = self.since_move[1:][-BALANCE_FOR:]
+        if len(self.since_move) < BALANCE_EVERY or len(window) < BALANCE_FOR:
             return None
         seconds = [sum(b[r] for b in window) / len(window) for r in range(len(split))]
-        now = self.tried[tuple(split)] = max(seconds), self.iteration  # the slowest rank's
+        slowest = max(seconds)
+        self.measured[tuple(split)] = slowest, self.iteration
         if min(load_imbalance(b)[0] for b in window) <= BALANCE_AT:
             return None
         speed = [n / t for n, t in zip(split, seconds)]
-        new = [self.least] * len(split)
+        new = [self.min_envs] * len(split)
         for _ in range((sum(split) - sum(new)) // self.granule):
             r = min(range(len(new)), key=lambda r: (new[r] + self.granule) / speed[r])
             new[r] += self.granule
-        then = [n / v for n, v in zip(new, speed)]
-        was, when = self.tried.get(tuple(new), (0.0, -BALANCE_MEMORY))
-        if max(then) > (1 - BALANCE_GAIN) * now[0]:
+        predicted = [n / v for n, v in zip(new, speed)]
+        was, when = self.measured.get(tuple(new), (0.0, -BALANCE_MEMORY))
+        if max(predicted) > (1 - BALANCE_GAIN) * slowest:
             return None
-        if self.iteration - when < BALANCE_MEMORY and was > (1 - BALANCE_GAIN) * now[0]:
+        if self.iteration - when < BALANCE_MEMORY and was > (1 - BALANCE_GAIN) * slowest:
             return None
-        self.seen = []
-        return new, load_imbalance(seconds)[0], load_imbalance(then)[0]
+        self.since_move = []
+        return new, load_imbalance(seconds)[0], load_imbalance(predicted)[0]
 
 
 def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
@@ -1835,19 +1903,18 @@ def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
 
 
 # ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
-def check_iteration(params, flat_grads, scaler, iteration, global_step, rank, world_size):
+def check_iteration(params, buckets, scaler, iteration, global_step, rank, world_size):
     """Stop before non-finite numbers reach a checkpoint (the values are all-reduced, so every
     rank reaches the same verdict; under fp16 the scaler skips inf gradients by itself), and
     before a broken flat buffer silently stops the gradient averaging."""
-    n_params = flat_grads.numel() - len(LOSS_STATS)
-    loss_stats, grads = flat_grads[n_params:], flat_grads[:n_params]
+    grads = buckets.flat[: buckets.flat.numel() - len(LOSS_STATS)]
     where = f"at iteration {iteration}, global step {global_step}"
-    if not torch.isfinite(loss_stats).all():
-        values = ", ".join(f"{k}={v:g}" for k, v in zip(LOSS_STATS, loss_stats.tolist()))
+    if not torch.isfinite(buckets.stats).all():
+        values = ", ".join(f"{k}={v:g}" for k, v in zip(LOSS_STATS, buckets.stats.tolist()))
         fail(f"non-finite loss {where}: {values}", rank, world_size)
     if not scaler.is_enabled() and not torch.isfinite(grads).all():
         fail(f"non-finite gradient {where}", rank, world_size)
-    if not grads_in_buffer(params, flat_grads):
+    if not grads_in_buffer(params, buckets.flat):
         msg = "gradients no longer live in the flat buffer (see flat_grad_buffer's invariants)"
         fail(f"{msg} {where}", rank, world_size)
 
@@ -1858,10 +1925,30 @@ def replicas_identical(params, device, distributed):
         return True
     flat_params = torch.cat([p.detach().reshape(-1) for p in params])
     reference = flat_params.clone()
-    dist.broadcast(reference, src=0)
+    collective(dist.broadcast, reference, src=0)
     same = torch.tensor([float(torch.equal(flat_params, reference))], device=device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    collective(dist.all_reduce, same, op=dist.ReduceOp.MIN)
     return bool(same.item())
+
+
+def print_setup(args: Args, backend, device, torch_threads, env_threads, warnings_):
+    """Rank 0's lines at start: the run, its layout and sizes, and any warnings."""
+    native = f", {env_threads} per env group" if args.env_backend == "native" else ""
+    uneven = f"\n  rank_envs {args.rank_envs} (local sizes: rank 0's)" if args.rank_envs else ""
+    print(
+        f"run {args.run_name}: {args.world_size} rank(s), backend {backend}, device "
+        f"{device.type}, {torch_threads} thread(s) per rank{native}\n"
+        f"  local_num_envs {args.local_num_envs:>5} | num_envs {args.num_envs:>6} | "
+        f"num_steps {args.num_steps}\n"
+        f"  local_batch_size {args.local_batch_size:>3} | batch_size {args.batch_size:>4} | "
+        f"num_minibatches {args.num_minibatches}\n"
+        f"  local_minibatch_size {args.local_minibatch_size} | minibatch_size "
+        f"{args.minibatch_size} | grad_accum {args.grad_accum} | num_iterations "
+        f"{args.num_iterations}{uneven}"
+    )
+    for warning in warnings_:
+        if warning:
+            print(warning)
 
 
 # ================================================================================================
@@ -1914,27 +2001,12 @@ if __name__ == "__main__":
     run_name = args.run_name = broadcast_object(
         choose_run_name(args) if master_process else None, distributed
     )
-    checkpointer = Checkpointer(args, run_name, rank, world_size, device)
-    checkpointer.claim()  # a second launch of this run, or a directory we cannot write, stops here
-
+    checkpointer = Checkpointer(args, run_name, rank, world_size)
+    checkpointer.lock_run_dir()  # a second launch of this run, or an unwritable directory, stops
     if master_process:
-        print(
-            f"run {run_name}: {world_size} rank(s), backend {backend if distributed else '-'}, "
-            f"device {device.type}, {torch_threads} thread(s) per rank"
-            + (f", {env_threads} per env group" if args.env_backend == "native" else "")
-            + "\n"
-            f"  local_num_envs {args.local_num_envs:>5} | num_envs {args.num_envs:>6} | "
-            f"num_steps {args.num_steps}\n"
-            f"  local_batch_size {args.local_batch_size:>3} | batch_size {args.batch_size:>4} | "
-            f"num_minibatches {args.num_minibatches}\n"
-            f"  local_minibatch_size {args.local_minibatch_size} | "
-            f"minibatch_size {args.minibatch_size} | grad_accum {args.grad_accum} | "
-            f"num_iterations {args.num_iterations}"
-            + (f"\n  rank_envs {args.rank_envs} (local sizes: rank 0's)" if args.rank_envs else "")
-        )
-        for warning in [*flag_warnings, slow_bf16_warning(args, device)]:
-            if warning:
-                print(warning)
+        warning_lines = [*flag_warnings, slow_bf16_warning(args, device)]
+        setup_backend = backend if distributed else "-"
+        print_setup(args, setup_backend, device, torch_threads, env_threads, warning_lines)
         if args.track:
             import wandb
 
@@ -1949,34 +2021,37 @@ if __name__ == "__main__":
             )
 
     # Seeding: distinct env seeds on every rank; python/numpy/torch streams differ per rank
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    seed_everything(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     # env setup
     video = args.capture_video and master_process
-    envs = RankEnvs(args, run_name, video, env_threads)
+    try:
+        envs = RankEnvs(args, run_name, video, env_threads)
+    except ValueError as e:
+        fail(e, rank, world_size)
 
-    agent = Agent(envs.single_action_space.n).to(device)
+    agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n).to(device)
     if distributed:  # every replica starts from rank 0's weights
         flat_params = nn.utils.parameters_to_vector(agent.parameters())
-        dist.broadcast(flat_params, src=0)
+        collective(dist.broadcast, flat_params, src=0)
         nn.utils.vector_to_parameters(flat_params, agent.parameters())
-    agent = speed_up(agent, args, overlap=world_size > 1 and args.bucket_mb > 0)
+    overlap = world_size > 1 and args.bucket_mb > 0
+    agent = speed_up(agent, args, overlap, say=print if master_process else None)
+    policy = getattr(agent, "compiled_policy", agent.get_action_and_value)  # --compile
     autocast, scaler = precision(args, device)
     # foreach: one call per op over all tensors, bit-identical to the per-tensor loop that torch
-    # picks by default on CPU, and faster there (CUDA already defaults to it). Not fused: it rounds
-    # differently, and a default may only change speed, not numbers. --compile: fused, one kernel
-    # for the step (faster here than a compiled foreach step: benchmark/results/compile-pieces-*)
+    # picks by default on CPU, and faster there. Not fused: it rounds differently, and a default
+    # may only change speed. --compile: fused, one kernel for the step (measured faster).
     kernel = {"fused": True} if args.compile else {"foreach": True}
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, **kernel)
     params = list(agent.parameters())
-    n_params = sum(p.numel() for p in params)
     flat_grads = flat_grad_buffer(params, len(LOSS_STATS))
-    buckets = GradBuckets(params, flat_grads, args.bucket_mb, world_size, args.allreduce_fp16)
-    loss_stats = flat_grads[n_params:]  # a view: the all-reduced statistics of the last minibatch
-    approx_kl_at, clipfrac_at = LOSS_STATS.index("approx_kl"), LOSS_STATS.index("clipfrac")
+    collective_clock = CollectiveClock(device)
+    buckets = GradBuckets(
+        params, flat_grads, args.bucket_mb, world_size, args.allreduce_fp16, clock=collective_clock
+    )
+    coef = loss_coefficients(args, device)  # 0-d tensors: a schedule below changes them in place
 
     global_step = checkpointer.resume(agent, optimizer, scaler)
     start_iteration = global_step // args.batch_size + 1
@@ -1999,17 +2074,15 @@ if __name__ == "__main__":
     # ALGO Logic: Storage setup; a resumed run gets fresh games, with seeds no earlier start used
     storage, next_obs, next_done = start_rollouts(envs, args, args.seed + global_step, rank, device)
     obs, actions, logprobs, rewards, dones, values = storage
-
-    recent_returns = deque(maxlen=100)
-    num_episodes = 0
     progress = Progress(args, global_step)
-    collective_clock = CollectiveClock(device)
     step_upload = StepUpload(device)
 
     for iteration in range(start_iteration, args.num_iterations + 1):
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+        # a schedule of a loss coefficient is one line here, e.g.
+        # coef["ent_coef"].fill_(args.ent_coef * (1.0 - (iteration - 1.0) / args.num_iterations))
 
         # ---- rollout ----
         t_rollout, envs.env_time, episodes = time.perf_counter(), 0.0, []
@@ -2022,8 +2095,11 @@ if __name__ == "__main__":
                 obs[step] = next_obs
                 dones[step] = next_done
                 # act on the stored copy: it is already in the weights' layout (no second reorder)
-                policy_out, env_out = envs.step(agent.act, obs[step])
-                action, logprob, value = policy_out
+                if args.async_envs:  # the policy acts for one env group while the other steps
+                    (action, logprob, _, value), env_out = envs.act_and_step(policy, obs[step])
+                else:
+                    action, logprob, _, value = policy(obs[step])
+                    env_out = envs.step(action.cpu().numpy())
                 next_obs_np, reward, terminations, truncations, infos = env_out
                 values[step] = value.flatten()
                 actions[step] = action
@@ -2033,7 +2109,9 @@ if __name__ == "__main__":
                     # a time limit is not a real end: bootstrap from the final observation's value
                     cut = np.flatnonzero(truncations & ~terminations)
                     if len(cut):
-                        final_obs = upload(np.stack(infos["final_obs"][cut]), device)
+                        final_obs = torch.as_tensor(
+                            np.stack(infos["final_obs"][cut]), device=device
+                        )
                         reward[cut] += (
                             args.gamma * agent.get_value(final_obs).flatten().cpu().numpy()
                         )
@@ -2066,110 +2144,70 @@ if __name__ == "__main__":
         clipfrac_sum, num_updates = torch.zeros((), device=device), 0
         for epoch in range(args.update_epochs):
             np.random.shuffle(b_inds)
-            epoch_inds = upload(b_inds, device)  # one copy per epoch, none per minibatch
+            epoch_inds = torch.as_tensor(b_inds, device=device)  # one copy per epoch
             for start in range(0, args.local_batch_size, args.local_minibatch_size):
                 mb_inds = epoch_inds[start : start + args.local_minibatch_size]
-                minibatch_gradient(
-                    agent,
-                    args,
-                    buckets,
-                    n_params,
-                    batch,
-                    mb_inds,
-                    world_size,
-                    autocast,
-                    scaler,
-                    collective_clock,
-                )
+                minibatch_gradient(agent, args, coef, batch, mb_inds, buckets, autocast, scaler)
+                buckets.wait()  # the all-reduce: gradients and LOSS_STATS averaged over ranks
                 scaler.unscale_(optimizer)  # fp16: clip the true gradient (otherwise a no-op)
                 nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 scaler.step(optimizer)  # fp16: skips a step with inf/NaN, alike on every rank
                 scaler.update()
-                clipfrac_sum += loss_stats[clipfrac_at]
+                clipfrac_sum += buckets.stats[LOSS_STATS.index("clipfrac")]
                 num_updates += 1
             # every rank reads the same all-reduced KL, so every rank stops at the same step
-            if args.target_kl is not None and loss_stats[approx_kl_at].item() > args.target_kl:
+            approx_kl = buckets.stats[LOSS_STATS.index("approx_kl")]
+            if args.target_kl is not None and approx_kl.item() > args.target_kl:
                 break
         if device.type == "cuda":
             torch.cuda.synchronize()  # for the timing only: the update's kernels may be queued
         update_time = time.perf_counter() - t_update
-        allreduce_time = collective_clock.read()
+        check_iteration(params, buckets, scaler, iteration, global_step, rank, world_size)
 
-        check_iteration(params, flat_grads, scaler, iteration, global_step, rank, world_size)
-
-        # ---- logging: episodes and timings of every rank, losses averaged over ranks ----
+        # ---- logging: every rank's episodes and timings, the losses averaged over ranks ----
         y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
         var_y = np.var(y_true)
         explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
-        times = {
-            "rollout": rollout_time,
-            "env": envs.env_time,
-            "update": update_time,
-            "allreduce": allreduce_time,
-        }
+        times = {"rollout": rollout_time, "env": envs.env_time, "update": update_time}
         report = {
             "episodes": episodes,
-            "ev": explained_var,
-            "times": times,
-            "rng": checkpointer.rng_state(),
-            "stop": preemption.signalled,  # a scheduler's warning signal on this rank
+            "explained_variance": explained_var,
+            "envs": args.local_num_envs,
+            "times": dict(times, allreduce=collective_clock.read()),
             "resources": rank_resources(device, [rollout_util, gpu_util(device)]),
+            "signal": preemption.signalled,  # a scheduler's warning signal on this rank
         }
-        reports = [report]
-        if distributed:
-            reports = [None] * world_size
-            dist.all_gather_object(reports, report)
+        reports = gather_reports(report, world_size)
         if master_process:
-            for step_at, ret, length in sorted(e for r in reports for e in r["episodes"]):
-                writer.add_scalar("charts/episodic_return", ret, step_at)
-                writer.add_scalar("charts/episodic_length", length, step_at)
-                recent_returns.append(ret)
-                num_episodes += 1
-            sps = int(global_step / checkpointer.elapsed())
-            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
-            stats = dict(zip(LOSS_STATS, loss_stats.tolist()))
+            stats = dict(zip(LOSS_STATS, buckets.stats.tolist()))
             stats["clipfrac"] = clipfrac_sum.item() / num_updates  # mean over the iteration
-            for name, value in stats.items():
-                writer.add_scalar(f"losses/{name}", value, global_step)
-            split = args.rank_envs or [args.local_num_envs] * world_size
-            evs = np.array([r["ev"] for r in reports])  # weighted by each rank's samples
-            ok = ~np.isnan(evs)
-            ev = np.average(evs[ok], weights=np.array(split)[ok]) if ok.any() else np.nan
-            writer.add_scalar("losses/explained_variance", ev, global_step)
-            writer.add_scalar("charts/SPS", sps, global_step)
-            imbalance = log_perf(writer, reports, global_step, split)
-            progress.add(reports)
-            line = progress.line(
-                iteration, global_step, sps, recent_returns, num_episodes, imbalance
-            )
-            if line:
-                print(line, flush=True)
-            if args.compile and iteration == start_iteration + 1:
-                print(progress.compile_line(), flush=True)
+            sps = int(global_step / checkpointer.elapsed())
+            lr = optimizer.param_groups[0]["lr"]
+            progress.log(writer, reports, iteration, global_step, sps, lr, stats)
 
         # ---- balance (--balance-envs): every rank decides alike from the gathered times ----
         if moved := balancer.decide(args.rank_envs, [busy_seconds(r["times"]) for r in reports]):
+            split, imbalance, predicted = moved
             if master_process:
-                old, new = (" ".join(map(str, s)) for s in (args.rank_envs, moved[0]))
+                old, new = (" ".join(map(str, s)) for s in (args.rank_envs, split))
                 print(
-                    f"envs {old} -> {new}, imbalance {moved[1]:.2f} -> {moved[2]:.2f} (predicted)"
+                    f"envs {old} -> {new}, imbalance {imbalance:.2f} -> {predicted:.2f} (predicted)"
                 )
-            envs, rebuilt = resize_envs(envs, args, moved[0], rank, run_name, video)
+            envs, rebuilt = resize_envs(envs, args, split, rank, run_name, video)
             if rebuilt:
                 seed = args.seed + global_step
                 storage, next_obs, next_done = start_rollouts(envs, args, seed, rank, device)
                 obs, actions, logprobs, rewards, dones, values = storage
 
         # ---- checkpoint; on a preemption signal (any rank) all ranks stop after this save ----
-        stopped = [f"rank {r}: {rep['stop']}" for r, rep in enumerate(reports) if rep["stop"]]
+        stopped = [f"rank {r}: {rep['signal']}" for r, rep in enumerate(reports) if rep["signal"]]
         saved = None
         if master_process:
-            rngs = [r["rng"] for r in reports]
             saved = checkpointer.maybe_save(
-                iteration, global_step, agent, optimizer, scaler, rngs, now=bool(stopped)
+                iteration, global_step, agent, optimizer, scaler, now=bool(stopped)
             )
         if stopped:
-            preemption.leave(stopped, saved, args, distributed)
+            preemption.exit_after_save(stopped, saved, args, distributed)
 
     # ---- the end: replicas must still agree; save, evaluate, leave ----
     replicas_ok = replicas_identical(params, device, distributed)
@@ -2177,22 +2215,16 @@ if __name__ == "__main__":
     if distributed:
         dist.destroy_process_group()  # evaluation below is rank 0's alone: no peer waits on it
     if checkpointer.save_error:  # rank 0's final save failed: the run did not end on disk
-        fail(checkpointer.save_error, rank, world_size)
+        fail(checkpointer.save_error, rank, world_size, code=1)
     if master_process:
-        elapsed = checkpointer.elapsed()
-        mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "n/a"
-        print(
-            f"done: {global_step} steps in {datetime.timedelta(seconds=int(elapsed))}, "
-            f"SPS {int(global_step / elapsed)}, mean return (last {len(recent_returns)} episodes) "
-            f"{mean_return}, {num_episodes} episodes, replicas identical: {replicas_ok}\n"
-            f"{progress.table()}",
-            flush=True,
-        )
+        print(progress.summary(global_step, checkpointer.elapsed(), replicas_ok), flush=True)
         model_path = f"runs/{run_name}/{args.exp_name}.model"
-        torch.save(agent.state_dict(), model_path)
+        try:
+            save_file(agent.state_dict(), model_path)
+        except OSError as e:
+            fail(f"the final model {model_path} was not saved: {one_line(e, 160)}", 0, 1, code=1)
         if args.eval_episodes > 0:
-            episodes, video = args.eval_episodes, args.capture_video
-            returns = evaluate(agent, args.env_id, episodes, device, video, run_name, args.seed)
+            returns = evaluate(agent, args, device, run_name)
             for idx, episodic_return in enumerate(returns):
                 writer.add_scalar("eval/episodic_return", episodic_return, idx)
             print(
