@@ -1,15 +1,20 @@
 """The GPU check of ppo_atari_multigpu.py: one bounded run on a lent GPU machine. Start it through
 benchmark/gpu_check.sh, which installs carried wheels first and holds the overall time limit:
     bash benchmark/gpu_check.sh OUT_DIR [--cpu-dry-run]
-Steps (each in its own bounded process; each appends its section to OUT_DIR/summary.md and writes
-its own log as soon as it ends, so a run cut short keeps what it measured):
-  1 preflight: versions, CUDA, nvidia-smi, lscpu, the imports the trainer needs
-  2 ceiling: ale-py's AtariVectorEnv stepping with random actions, envs x threads
-  3 ceiling: the trainer's own update (minibatch_gradient + clip + Adam), fp32 and bf16
-  4 trainer rows: short real runs of the trainer; SPS from its own output and TensorBoard events
+Steps, most wanted first (each in its own bounded process; each appends its section to
+OUT_DIR/summary.md and writes its own log as soon as it ends, so a run cut short keeps what it
+measured):
+  1 preflight: versions (torch, CUDA, driver, GPU: also named at the top of the summary), CUDA,
+    nvidia-smi, lscpu, the imports the trainer needs
+  2 trainer rows: short real runs of the trainer (1x8 default; 2 ranks on the one GPU with gloo,
+    native envs, bf16, --compile and the overlapped all-reduce; 1x8 --compile, then with
+    --cuda-graphs); SPS from its own output and TensorBoard events
+  3 ceiling: ale-py's AtariVectorEnv stepping with random actions, 4 envs x threads cells
+  4 ceiling: the trainer's own update (minibatch_gradient + clip + Adam), fp32 and bf16
   5 the table of every row, with the goals stated for reference
---cpu-dry-run runs the same steps on CPU with tiny sizes (1-2 minutes on 2 shared cores), so the
-script cannot rot.
+Each step has a cap (GPU_STEPS); the caps add up under the overall limit, so a GPU run reaches
+every step. --cpu-dry-run runs the same steps on CPU with tiny sizes (2-3 minutes on 2 shared
+cores), so the script cannot rot.
 """
 
 import argparse
@@ -40,52 +45,82 @@ LOG = {  # one log per step; with summary.md and results.json: 6 files, fewer th
     "update": "update-ceiling.log",
     "trainer": "trainer-rows.log",
 }
+TOTAL_S = 420  # gpu_check.sh's overall limit (default and most): 7 minutes of a 15-minute lease
+TABLE_S = 5  # kept for the final table; gpu_check.sh's deadline is TOTAL_S - 5 s
+RESERVE_S = TABLE_S + 5  # what the steps' caps leave of TOTAL_S, at least
 NATIVE_BF16 = ["--env-backend", "native", "--amp", "bf16"]
 COMPILE, GRAPHS = ["--compile"], ["--compile", "--cuda-graphs"]
-# (name, ranks, envs per rank, flags): the GPU plan, most wanted first (a run cut short by the
-# overall limit keeps the rows before). The dry run keeps the names and flags (but --cuda-graphs,
-# which the trainer refuses off CUDA) and shrinks the sizes (2 envs per rank, at most 2 ranks).
-ROWS = [
-    ("1×8 sync", 1, 8, []),
-    ("1×8 native+bf16", 1, 8, NATIVE_BF16),
-    ("1×8 native+bf16 compile", 1, 8, NATIVE_BF16 + COMPILE),
-    ("1×8 native+bf16 compile+graphs", 1, 8, NATIVE_BF16 + GRAPHS),
-    ("1×64 native+bf16", 1, 64, NATIVE_BF16),
-    ("1×64 native+bf16 compile", 1, 64, NATIVE_BF16 + COMPILE),
-    ("1×64 native+bf16 compile+graphs", 1, 64, NATIVE_BF16 + GRAPHS),
-    ("1×64 native+bf16 async", 1, 64, NATIVE_BF16 + ["--async-envs"]),
-    ("4×16 native+bf16 gloo, one GPU", 4, 16, NATIVE_BF16 + ["--backend", "gloo"]),
+# Trainer rows: name -> (ranks, envs per rank, flags). Ranks > 1 share GPU 0 (--device-ids 0 0).
+# The dry run keeps the names and flags (but --cuda-graphs, which the trainer refuses off CUDA)
+# and shrinks the sizes (2 envs per rank, at most 2 ranks).
+ROWS = {
+    "1×8 sync": (1, 8, []),
+    # the default --bucket-mb: the all-reduce overlapped with backward (the compiled loss's graph
+    # break); the same 8 envs and global batch as the 1×8 rows
+    "2×4 native+bf16 compile gloo, one GPU": (2, 4, NATIVE_BF16 + COMPILE + ["--backend", "gloo"]),
+    "1×8 native+bf16 compile": (1, 8, NATIVE_BF16 + COMPILE),
+    "1×8 native+bf16 compile+graphs": (1, 8, NATIVE_BF16 + GRAPHS),
+}
+# The GPU plan, in run order: (step, cap in seconds). "wheels" is gpu_check.sh's pip install (its
+# `timeout`), a row name a trainer row, "env" and "update" the ceilings. Most wanted first, so a
+# run cut short keeps what matters; the caps plus RESERVE_S add up under TOTAL_S (tested), so each
+# step gets its cap in time. A step may also use what the steps before it left unused, as long as
+# the steps after it keep their caps (Check.budget). A compile row's cold Triton compile: 50-75 s.
+GPU_STEPS = [
+    ("wheels", 20),  # 7 small wheels, --no-deps --no-index: seconds
+    ("preflight", 35),  # cold imports of torch and the trainer, CUDA init, nvidia-smi, lscpu
+    ("1×8 sync", 35),
+    ("2×4 native+bf16 compile gloo, one GPU", 105),  # two ranks compile at once
+    ("1×8 native+bf16 compile", 80),
+    ("1×8 native+bf16 compile+graphs", 80),
+    ("env", 20),  # 4 cells, 2 x 0.5 s each
+    ("update", 20),  # 2 minibatch sizes x fp32 / bf16, 0.5 s each
 ]
+PROBE_S = 5  # each of preflight's nvidia-smi / lscpu calls, at most
+PLATFORM = "torch / CUDA / driver / GPU"  # the summary's line naming what every figure ran on
+DRY_CAPS = {"wheels": 20, "preflight": 60, "row": 90, "env": 30, "update": 30}
+
+
+def kind(step):
+    """A step's kind: wheels, preflight, env, update, or row."""
+    return step if step in ("wheels", "preflight", "env", "update") else "row"
 
 
 def plan(dry):
-    """Sizes and per-step time caps (seconds) of a GPU run or of the CPU dry run."""
+    """Sizes, steps in run order and their caps (seconds) of a GPU run or of the CPU dry run."""
     if dry:
         return dict(
             env_grid=[(8, 1)],
             env_seconds=0.2,  # each measurement
             minibatches=[32],
             update_seconds=0.2,
-            rows=[(n, min(r, 2), 2, [x for x in f if x != "--cuda-graphs"]) for n, r, _, f in ROWS],
+            rows={
+                n: (min(r, 2), 2, [x for x in f if x != "--cuda-graphs"])
+                for n, (r, _, f) in ROWS.items()
+            },
             num_steps=16,
             iterations=2,
             warmup_iterations=1,
             # one thread per process: OpenMP threads that spin on a shared, loaded machine make a
             # tiny run 10x slower
             trainer_flags=["--no-cuda", "--threads", "1", "--update-epochs", "1"],
-            caps={"preflight": 90, "env": 60, "update": 60, "row": 90},
+            steps=[(s, DRY_CAPS[kind(s)]) for s, _ in GPU_STEPS],
         )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
     return dict(
-        env_grid=[(e, t) for e in (8, 64, 128) for t in (1, 8, 16)],
-        env_seconds=1.0,
+        # the trainer's ale-py threads on CUDA: the node's cores per rank. 1×8 rows, the 2×4
+        # row's ranks, 64 envs, one thread
+        env_grid=[(8, cores), (4, max(1, cores // 2)), (64, cores), (8, 1)],
+        env_seconds=0.5,
         minibatches=[256, 2048],  # the trainer's at 8 envs (1024 / 4) and at 64 envs (8192 / 4)
-        update_seconds=1.5,
-        rows=ROWS,
+        update_seconds=0.5,
+        rows=dict(ROWS),
         num_steps=128,  # the trainer's default
         iterations=10,
         warmup_iterations=2,
         trainer_flags=[],
-        caps={"preflight": 90, "env": 100, "update": 100, "row": 90},
+        steps=list(GPU_STEPS),
     )
 
 
@@ -104,20 +139,28 @@ def worker_preflight(a):
     import torch
 
     cuda = torch.cuda.is_available()
-    gpus = []
+    gpus, names = [], []
     for i in range(torch.cuda.device_count() if cuda else 0):
         p = torch.cuda.get_device_properties(i)
+        names.append(p.name)
         gpus.append(
             f"{p.name} (sm {p.major}.{p.minor}, {p.total_memory / 2**30:.0f} GiB, "
             f"{p.multi_processor_count} SMs)"
         )
+    driver = None  # the kernel module's version, without nvidia-smi
+    with contextlib.suppress(OSError):
+        found = re.search(r"Kernel Module\s+(\S+)", Path("/proc/driver/nvidia/version").read_text())
+        driver = found and found[1]
     result(
         python=sys.version.split()[0],
         executable=sys.executable,
         torch=torch.__version__,
         torch_cuda=torch.version.cuda,
+        cudnn=torch.backends.cudnn.version() if cuda else None,
+        driver=driver,
         cuda_available=cuda,
         gpus=gpus,
+        gpu_names=names,
         bf16_supported=bool(cuda and torch.cuda.is_bf16_supported()),
         cores=os.cpu_count(),
         usable_cores=len(os.sched_getaffinity(0)),
@@ -167,7 +210,7 @@ def worker_env(a):
     env_id = mod.Args.env_id
     for envs, threads in plan(a.cpu_dry_run)["env_grid"]:
         try:
-            native = mod.NativeVectorEnv(env_id, envs, threads)
+            native = mod.NativeVectorEnv(env_id, envs, threads, 4)
             n = native.single_action_space.n
             native.reset(seed=list(range(envs)))
             raw = steps_per_second(native.env.step, envs, n, a.seconds)
@@ -186,10 +229,10 @@ def update_rate(mod, device, n_actions, mbs, amp, seconds):
     import torch
 
     targs = mod.Args(amp=amp)
-    agent = mod.speed_up(mod.Agent(n_actions).to(device), targs)
+    targs.minibatch_size, targs.world_size = mbs, 1  # as resolve_sizes sets them for one rank
+    agent = mod.speed_up(mod.Agent((4, 84, 84), n_actions).to(device), targs)
     optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, foreach=True)
     params = list(agent.parameters())
-    n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
     buckets = mod.GradBuckets(params, flat, targs.bucket_mb, 1)  # one rank: no collectives
     n = 4 * mbs  # 4 minibatches per epoch, as the trainer's default
@@ -205,13 +248,12 @@ def update_rate(mod, device, n_actions, mbs, amp, seconds):
     advantages = torch.randn(n, device=device)
     batch = (obs, actions, logprobs, advantages, values + advantages, values)
     autocast, scaler = mod.precision(targs, device)
-    rng, timer = np.random.default_rng(0), contextlib.nullcontext()  # one rank: no collectives
+    coef, rng = mod.loss_coefficients(targs, device), np.random.default_rng(0)
 
     def minibatch():
-        mb_inds = mod.upload(rng.choice(n, mbs, replace=False), device)  # as the trainer: no sync
-        mod.minibatch_gradient(
-            agent, targs, buckets, n_params, batch, mb_inds, 1, autocast, scaler, timer
-        )
+        mb_inds = torch.as_tensor(rng.choice(n, mbs, replace=False), device=device)
+        mod.minibatch_gradient(agent, targs, coef, batch, mb_inds, buckets, autocast, scaler)
+        buckets.wait()  # one rank: no collectives
         scaler.unscale_(optimizer)  # the trainer's step sequence
         torch.nn.utils.clip_grad_norm_(params, targs.max_grad_norm)
         scaler.step(optimizer)
@@ -279,7 +321,10 @@ class Check:
     def __init__(self, a):
         self.a, self.out, self.dry = a, Path(a.out_dir), a.cpu_dry_run
         self.plan = plan(self.dry)
-        self.deadline = a.deadline or time.time() + 450
+        self.deadline = a.deadline or time.time() + TOTAL_S - 5
+        self.caps = dict(self.plan["steps"])
+        self.sections = 0  # numbered in run order
+        self.platform = {}  # preflight's: what every figure ran on
         self.results = {"mode": "cpu-dry-run" if self.dry else "gpu", "steps": {}, "rows": []}
         self.failures = []  # "step: why", for the exit code and the summary's last line
         self.cuda = False  # preflight's verdict
@@ -294,15 +339,22 @@ class Check:
     def save_json(self):
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1) + "\n")
 
-    def budget(self, cap):
-        """(seconds a step may take: its cap, or what is left before the deadline, 5 s kept for
-        the final table; or None and why it must not start)."""
-        left = self.deadline - time.time() - 5
+    def section(self, title):
+        self.sections += 1
+        return ["", f"## {self.sections}. {title}", ""]
+
+    def budget(self, step):
+        """(seconds `step` may take, or None and why it must not start): its cap, and what the
+        steps before it left unused as long as the steps after it keep their caps; never past
+        the deadline less TABLE_S for the final table."""
+        left = self.deadline - time.time() - TABLE_S
         if self.time_up:
             return None, "not run: the overall time limit stopped the check"
         if left < 10:
             return None, "not run: too little of the overall time limit was left"
-        return min(cap, left), None
+        names = [name for name, _ in self.plan["steps"]]
+        later = sum(cap for _, cap in self.plan["steps"][names.index(step) + 1 :])
+        return min(left, max(self.caps[step], left - later)), None
 
     def run(self, cmd, log, timeout, cwd=None):
         """Run cmd, its stdout and stderr appended to `log`. Returns (exit code, or None when it
@@ -339,11 +391,13 @@ class Check:
             f.seek(start)
             return rc, time.time() - t, f.read()
 
-    def worker(self, name, cap, *extra):
-        """One worker step: (its RESULT dicts, None or why it failed, seconds)."""
-        timeout, skip = self.budget(cap)
-        if skip:
-            return [], skip, 0.0
+    def worker(self, name, *extra, timeout=None):
+        """One worker step (`timeout`: its budget's unless given): (its RESULT dicts, None or
+        why it failed, seconds)."""
+        if timeout is None:
+            timeout, skip = self.budget(name)
+            if skip:
+                return [], skip, 0.0
         cmd = [sys.executable, str(Path(__file__).resolve()), str(self.out), "--worker", name]
         cmd += (["--cpu-dry-run"] if self.dry else []) + list(extra)
         rc, seconds, text = self.run(cmd, LOG[name], timeout)
@@ -364,15 +418,21 @@ class Check:
         self.save_json()
         return f"- {failed(why) if why else 'ok'} ({seconds:.0f} s; log: `{LOG[key]}`)"
 
-    # ---- 1 ----
+    # ---- preflight ----
     def preflight(self):
-        results, why, seconds = self.worker("preflight", self.plan["caps"]["preflight"])
-        lines = ["", "## 1. Preflight", ""]
+        total, skip = self.budget("preflight")
+        step_end = time.time() + (total or 0)
+        timeout = max(5, total - 2 * PROBE_S) if total else None  # the probes get the rest
+        results, why, seconds = (
+            self.worker("preflight", timeout=timeout) if total else ([], skip, 0)
+        )
+        lines = self.section("Preflight")
         info = {k: v for r in results if "python" in r for k, v in r.items()}
         if info:
             lines += [
                 f"- python {info['python']} (`{info['executable']}`); torch {info['torch']} "
-                f"({'CUDA ' + info['torch_cuda'] if info['torch_cuda'] else 'a CPU-only'} build)",
+                f"({'CUDA ' + info['torch_cuda'] if info['torch_cuda'] else 'a CPU-only'} build"
+                f"{', cuDNN ' + str(info['cudnn']) if info.get('cudnn') else ''})",
                 f"- CUDA available: {info['cuda_available']}; GPUs: "
                 f"{'; '.join(info['gpus']) or 'none'}; bf16 supported: {info['bf16_supported']}",
                 f"- cores: {info['cores']} ({info['usable_cores']} usable)",
@@ -392,42 +452,65 @@ class Check:
         self.cuda = bool(info.get("cuda_available"))
         if not self.dry and not self.cuda and not why:
             why = "CUDA is not available"
-        lines += self.machine()
+        t = time.time()
+        smi = self.machine(lines, step_end) if total else {}
+        seconds += time.time() - t
+        self.platform = platform(info, smi)
+        self.results["platform"] = self.platform
+        self.header(f"- {PLATFORM}: {platform_text(self.platform)}")
         self.results["preflight"] = {"results": results}
         self.md(*lines, self.step_status("preflight", why, seconds))
 
-    def machine(self):
-        """nvidia-smi (if present) and lscpu: the full output to the log, key lines here."""
-        lines = []
-        smi = shutil.which("nvidia-smi")
+    def machine(self, lines, step_end):
+        """nvidia-smi (if present) and lscpu, each at most PROBE_S and not past step_end: the
+        full output to the log, key lines to `lines`. Returns nvidia-smi's GPU fields (first
+        GPU) or {}."""
+        fields, smi = {}, shutil.which("nvidia-smi")
+        query = "name,driver_version,memory.total,clocks.max.sm,power.limit"
         probes = [["lscpu"]]
-        if smi:
-            query = "name,driver_version,memory.total,clocks.max.sm,power.limit"
-            probes = [[smi], [smi, f"--query-gpu={query}", "--format=csv,noheader"]] + probes
+        if smi:  # the query first: the driver version names every GPU figure
+            probes = [[smi, f"--query-gpu={query}", "--format=csv,noheader"], [smi]] + probes
         else:
             lines.append("- nvidia-smi: not on this machine")
         for cmd in probes:
             if shutil.which(cmd[0]) is None:
                 lines.append(f"- {cmd[0]}: not on this machine")
                 continue
-            rc, _, text = self.run(cmd, LOG["preflight"], 20)
+            timeout = max(1, min(PROBE_S, step_end - time.time()))
+            rc, _, text = self.run(cmd, LOG["preflight"], timeout)
             if len(cmd) > 1:
                 lines.append(f"- nvidia-smi ({query}): {text.strip() or f'exit {rc}'}")
+                values = (
+                    [v.strip() for v in text.strip().splitlines()[0].split(",")] if text else []
+                )
+                if rc == 0 and len(values) == len(query.split(",")):
+                    fields = dict(zip(query.split(","), values))
             elif cmd[0] == "lscpu":
                 keep = ("Model name", "CPU(s)", "Thread(s) per core", "NUMA node(s)")
                 got = [x.strip() for x in text.splitlines() if x.split(":")[0].strip() in keep]
                 lines.append(f"- lscpu: {'; '.join(' '.join(x.split()) for x in got)}")
-        return lines
+        return fields
 
-    # ---- 2 ----
+    def header(self, line):
+        """Put `line` in place of gpu_check.sh's PLATFORM line at the top of summary.md (or
+        before its first section): every figure below names the torch and GPU it ran on."""
+        path = self.out / "summary.md"
+        text = path.read_text()
+        found = re.search(rf"^- {PLATFORM}:.*$", text, re.M)
+        if found:
+            text = text[: found.start()] + line + text[found.end() :]
+        else:
+            i = text.find("\n## ")
+            text = text + line + "\n" if i < 0 else text[: i + 1] + line + "\n" + text[i + 1 :]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    # ---- ceilings ----
     def env_ceiling(self):
-        results, why, seconds = self.worker(
-            "env", self.plan["caps"]["env"], "--seconds", str(self.plan["env_seconds"])
-        )
+        results, why, seconds = self.worker("env", "--seconds", str(self.plan["env_seconds"]))
         lines = [
-            "",
-            "## 2. Ceiling: env stepping (ale-py AtariVectorEnv, random actions)",
-            "",
+            *self.section("Ceiling: env stepping (ale-py AtariVectorEnv, random actions)"),
             "Breakout, the trainer's AtariVectorEnv settings (--env-backend native); env steps/s "
             f"(one step = 4 frames), at least {self.plan['env_seconds']} s timed after 10 warm-up "
             "steps: alone, and through the trainer's NativeVectorEnv wrapper (frame stack, infos).",
@@ -448,15 +531,10 @@ class Check:
         self.results["env_ceiling"] = results
         self.md(*lines, "", self.step_status("env", why, seconds))
 
-    # ---- 3 ----
     def update_ceiling(self):
-        results, why, seconds = self.worker(
-            "update", self.plan["caps"]["update"], "--seconds", str(self.plan["update_seconds"])
-        )
+        results, why, seconds = self.worker("update", "--seconds", str(self.plan["update_seconds"]))
         lines = [
-            "",
-            "## 3. Ceiling: the trainer's update",
-            "",
+            *self.section("Ceiling: the trainer's update"),
             "Its Agent (channels-last), flat gradient buffer, precision() and minibatch_gradient, "
             "then unscale_, clip_grad_norm_, step, update, on random uint8 frames; whole epochs of "
             f"4 minibatches, at least {self.plan['update_seconds']} s timed after 3 warm-up "
@@ -483,16 +561,15 @@ class Check:
         self.results["update_ceiling"] = results
         self.md(*lines, "", self.step_status("update", why, seconds))
 
-    # ---- 4 ----
+    # ---- trainer rows ----
     def trainer_rows(self):
         p = self.plan
         self.md(
-            "",
-            "## 4. Trainer rows",
-            "",
+            *self.section("Trainer rows"),
             f"Short real runs: {p['iterations']} iterations of ranks × envs × {p['num_steps']} "
-            f"steps, {shlex.join(['--eval-episodes', '0'] + p['trainer_flags'])}; one line per "
-            "row as it ends (table: section 5)."
+            f"steps, {shlex.join(['--eval-episodes', '0'] + p['trainer_flags'])}; ranks > 1 on "
+            "the one GPU (--device-ids 0 0); one line per row as it ends (table: the last "
+            "section)."
             + (
                 " Dry run: rows named +graphs run without --cuda-graphs (CUDA only)."
                 if self.dry
@@ -501,7 +578,8 @@ class Check:
             "",
         )
         start = time.time()
-        for name, ranks, envs, flags in p["rows"]:
+        for name in self.row_names():
+            ranks, envs, flags = p["rows"][name]
             row = self.trainer_row(name, ranks, envs, flags)
             self.results["rows"].append(row)
             if "error" in row:
@@ -523,7 +601,7 @@ class Check:
         batch = ranks * envs * p["num_steps"]
         ran_as = f"{ranks}×{envs}×{p['num_steps']}"
         row = {"name": name, "ranks": ranks, "envs": envs, "ran_as": ran_as, "flags": flags}
-        timeout, skip = self.budget(p["caps"]["row"])
+        timeout, skip = self.budget(name)
         if skip:
             return dict(row, error=skip)
         if not self.dry and not self.cuda:
@@ -611,19 +689,23 @@ class Check:
         out["gpu_util"] = median("perf/gpu_util/rank0")
         return out
 
-    # ---- 5 ----
+    def row_names(self):
+        return [name for name, _ in self.plan["steps"] if kind(name) == "row"]
+
+    # ---- the table ----
     def table(self, stopped):
         p, rows = self.plan, self.results["rows"]
         done = {r["name"] for r in rows}
         rows = rows + [
             {"name": n, "ran_as": f"{r}×{e}×{p['num_steps']}", "error": stopped or "not run"}
-            for n, r, e, _ in p["rows"]
+            for n in self.row_names()
             if n not in done
+            for r, e, _ in [p["rows"][n]]
         ]
         w = p["warmup_iterations"]
         lines = [
-            "",
-            "## 5. Results table",
+            *self.section("Results table"),
+            f"Ran on {platform_text(self.platform)}.",
             "",
             "Goals, for reference (not claims): ≥ 10,000 SPS at 8 envs; "
             "≥ 25,000 SPS at 64+ envs "
@@ -672,7 +754,7 @@ class Check:
                 best[r["envs"]] = (r["raw"], r["threads"], r["wrapped"])
         if best:
             lines.append(
-                "Env ceiling, best thread count per env count (section 2): "
+                "Env ceiling, best thread count per env count (its section above): "
                 + "; ".join(
                     f"{e} envs: {v[0]:.0f} steps/s ({v[1]} thread(s); {v[2]:.0f} with the wrapper)"
                     for e, v in sorted(best.items())
@@ -682,7 +764,7 @@ class Check:
         upd = [r for r in self.results.get("update_ceiling", []) if "samples_per_s" in r]
         if upd:
             lines.append(
-                "Update ceiling (section 3): "
+                "Update ceiling (its section above): "
                 + "; ".join(
                     f"minibatch {r['minibatch']} {'fp32' if r['amp'] == 'none' else r['amp']}: "
                     f"{r['samples_per_s']:.0f} samples/s"
@@ -711,11 +793,16 @@ class Check:
         """Every step writes its section, also after the overall limit struck (then as not
         run); rows never reached are listed as such in the table."""
         stopped = None
-        try:
-            self.preflight()
-            self.env_ceiling()
-            self.update_ceiling()
-            self.trainer_rows()
+        steps = {
+            "preflight": self.preflight,
+            "row": self.trainer_rows,  # all rows: one section
+            "env": self.env_ceiling,
+            "update": self.update_ceiling,
+        }
+        try:  # in the plan's order; "wheels" was gpu_check.sh's
+            for k in dict.fromkeys(kind(name) for name, _ in self.plan["steps"]):
+                if k in steps:
+                    steps[k]()
         except TimeUp:  # struck between the steps' processes: the rest is not run
             self.time_up = True
             stopped = "not run: the overall time limit stopped the check"
@@ -725,6 +812,30 @@ class Check:
             self.failures.append("the overall time limit stopped the check")
         ok = self.table(stopped)
         return 124 if self.time_up else 0 if ok else 1
+
+
+def platform(info, smi):
+    """What the figures ran on, from preflight's worker (`info`) and nvidia-smi's query."""
+    if not info:
+        return {}
+    names = info.get("gpu_names") or []
+    return {
+        "torch": info["torch"],
+        "cuda": info["torch_cuda"],  # the CUDA torch was built with
+        "driver": smi.get("driver_version") or info.get("driver"),
+        "gpu": smi.get("name") or (names[0] if names else None),
+        "gpus": len(names),
+        "python": info["python"],
+    }
+
+
+def platform_text(p):
+    if not p:
+        return "unknown: preflight reported nothing (section 1)"
+    cuda = f"CUDA {p['cuda']}" if p["cuda"] else "a CPU-only build"
+    gpu = f"{p['gpu']} ×{p['gpus']}" if p["gpu"] else "none (no CUDA device)"
+    driver = p["driver"] or "none found (nvidia-smi, /proc/driver/nvidia)"
+    return f"torch {p['torch']} ({cuda}); driver {driver}; GPU {gpu}; python {p['python']}"
 
 
 def failed(why):
