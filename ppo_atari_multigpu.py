@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import datetime
 import difflib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import pickle
+import pickletools
 import random
 import resource
 import shlex
@@ -338,22 +340,21 @@ class Agent(nn.Module):
 
 
 def start_rollouts(envs, args, seed, rank, device):
-    """Fresh games on this rank's envs (seeds distinct over ranks) and empty rollout buffers of
-    their size. Observations stay uint8: a float copy would be 4x the memory."""
+    """Fresh games (seeds distinct over ranks) and empty rollout buffers of their size. Frames
+    stay uint8: a float copy would be 4x the memory."""
     shape = (args.num_steps, args.local_num_envs)
     obs = frame_buffer(shape + envs.single_observation_space.shape, args.channels_last, device)
     actions = torch.zeros(shape, dtype=torch.long, device=device)
     logprobs, rewards, dones, values = (torch.zeros(shape, device=device) for _ in range(4))
     seeds = env_seeds(seed, rank, args.local_num_envs, args.rank_envs)
-    next_obs = torch.as_tensor(envs.reset(seeds), device=device)
+    next_obs = upload(envs.reset(seeds), device)
     next_done = torch.zeros(args.local_num_envs, device=device)
     return (obs, actions, logprobs, rewards, dones, values), next_obs, next_done
 
 
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
-    """dones[t] = 1 means obs[t] starts a new episode, so the return from t-1 stops there.
-    The loop runs in numpy on the host: on CUDA its ~6 tiny kernels a step cost more than two
-    small copies; on CPU numpy shares the tensors' memory, and the numbers are torch's (tested)."""
+    """dones[t] = 1 means obs[t] starts a new episode, so the return from t-1 stops there. In
+    numpy on the host: on CUDA ~6 tiny kernels a step cost more (same numbers, tested)."""
     device, values_on_device = rewards.device, values
     host = (x.cpu().numpy() for x in (rewards, values, dones, next_value, next_done))
     rewards, values, dones, next_value, next_done = host
@@ -433,8 +434,8 @@ def ppo_loss(agent, args, coef, obs, actions, logprobs, advantages, returns, val
 # - GradBuckets cuts buckets from the end: backward should finish the last parameters first (a
 #   trunk and its heads do); otherwise a bucket starts later, never early: it waits for all its own.
 def flat_grad_buffer(params, extra):
-    """One buffer for all gradients (each .grad a view into it) plus `extra` slots at the end
-    for statistics: all-reduced together (GradBuckets), with no cat and no copy-back."""
+    """One buffer for all gradients (each .grad a view into it) plus `extra` slots at the end for
+    statistics, all-reduced together (GradBuckets): no cat, no copy-back."""
     flat = torch.zeros(sum(p.numel() for p in params) + extra, device=params[0].device)
     offset = 0
     for p in params:
@@ -465,17 +466,12 @@ def collective(fn, tensor, **kwargs):
 
 
 class GradBuckets:
-    """The flat buffer's all-reduce, overlapped with backward. Buckets are contiguous views of
-    the buffer, cut in the order backward finishes them (heads and fc first, conv1 last); each
-    is launched (async_op) once its last gradient is accumulated, always in bucket order, so
-    every rank issues the same collectives. The loss statistics end the buffer, so they ride in
-    the first bucket: they are final before backward starts. With 2 ranks each element is one
-    sum a + b whatever the bucket, so the numbers are bit-identical to one all-reduce of the
-    whole buffer (tested); with more ranks a bucket may be summed in another order (rounding).
-    fp16: each gradient bucket travels as fp16, averaged before the cast (the sum cannot outgrow
-    fp16's range with the world size); the statistics stay fp32. host: through (pinned) host
-    copies, as `collective` does (default: exactly when gloo gets CUDA tensors). `clock` times
-    the waits for collectives (MONITORING)."""
+    """The flat buffer's all-reduce, overlapped with backward: contiguous views cut in the order
+    backward finishes them (heads first, conv1 last), each launched (async) once its gradients
+    are final, in bucket order on every rank. The loss statistics end the buffer and ride in the
+    first bucket. With 2 ranks each element is one sum a + b, so the numbers equal one
+    all-reduce of the whole buffer (tested). fp16: gradient buckets travel averaged, as fp16.
+    host: through (pinned) host copies, as `collective` does. `clock` times the waits."""
 
     def __init__(self, params, flat, bucket_mb, world_size, fp16=False, host=None, clock=None):
         self.flat, self.world_size = flat, world_size
@@ -485,7 +481,7 @@ class GradBuckets:
         cap = bucket_mb * 2**20 / flat.element_size() if bucket_mb > 0 else math.inf
         starts = np.cumsum([0] + [p.numel() for p in params])
         end, count = flat.numel(), 0
-        if fp16:  # the statistics in a bucket of their own, ready at once
+        if fp16:  # the statistics in a bucket of their own, ready at once, sent as fp32
             self.views.append(self.stats)
             self.grads_in.append(0)
             end = starts[-1]
@@ -522,7 +518,7 @@ class GradBuckets:
         while (k := len(self.works)) < len(self.views) and (everything or self.missing[k] == 0):
             view, sent = self.views[k], self.sent[k]
             if self.as_fp16[k]:
-                view.div_(self.world_size)
+                view.div_(self.world_size)  # averaged before the cast: fp16's range holds
             if sent is not view:
                 sent.copy_(view)  # to the host: a blocking copy, so gloo reads the final bytes
             self.works.append(dist.all_reduce(sent, async_op=True))
@@ -542,12 +538,10 @@ class GradBuckets:
 
 
 def minibatch_gradient(agent, args, coef, batch, mb_inds, buckets, autocast, scaler):
-    """Loss and backward of one minibatch, leaving in buckets.flat its gradient averaged over all
-    ranks once buckets.wait() returns (scaled by the fp16 GradScaler when on), then its
-    LOSS_STATS. `mb_inds`: a tensor on the batch's device. Sample-weighted: a rank's loss counts
-    by its share of the global minibatch, so the average is the gradient on the union even when
-    ranks hold different sample counts (--rank-envs). --grad-accum K: the sum of K micro-batch
-    means / K, one backward each."""
+    """Loss and backward of one minibatch (`mb_inds`, indices on the batch's device): after
+    buckets.wait() buckets.flat holds its gradient averaged over ranks, then its LOSS_STATS.
+    A rank's loss counts by its share of the global minibatch: the average is the gradient on
+    the union, even with --rank-envs. --grad-accum K: K micro-batch means / K, a backward each."""
     b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
     mb_advantages = b_advantages[mb_inds]
     if args.norm_adv:
@@ -713,8 +707,9 @@ def check_launch(env):
             f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: launch with torchrun "
             "(or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process)"
         )
-    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):  # srun sets SLURM_ alone
-        if int(env.get(var, 1)) > 1:
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        # srun's tasks have a SLURM_STEP_ID; a batch script's own python does not (it is one)
+        if int(env.get(var, 1)) > 1 and (var != "SLURM_NTASKS" or "SLURM_STEP_ID" in env):
             raise ValueError(
                 f"started by an MPI launcher ({var}={env[var]}) without torchrun's RANK: every "
                 "process would train alone. Launch with torchrun (one per node), e.g. under "
@@ -788,12 +783,12 @@ def init_distributed(backend, rank, world_size, pg_timeout):
     return dist.PrefixStore(f"attempt_{attempt}/failures", client)
 
 
-def broadcast_object(obj, distributed):
-    """Rank 0's `obj` (anything picklable) on every rank."""
+def broadcast_object(obj, distributed, src=0):
+    """Rank src's `obj` (anything picklable) on every rank."""
     if not distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -834,6 +829,7 @@ def one_line(exc, limit):
 def fail(msg, rank, world_size, code=2):
     """One line naming the rank, then exit 2: for errors every rank detects alike."""
     where = f" [rank {rank}]" if world_size > 1 else ""
+    WHERE["phase"] = "exit"  # the FailureBoard's watcher: this rank leaves on purpose
     print(f"error{where}: {msg}", file=sys.stderr, flush=True)
     if world_size > 1 and not dist.is_initialized():
         # the peers check the same input: give them time to print their own line before
@@ -844,9 +840,8 @@ def fail(msg, rank, world_size, code=2):
 
 class CrashReport:
     """sys.excepthook: keep the traceback, then one line saying which rank failed and why (out of
-    memory, with advice; a failed collective nearly always means a peer died or hung, which
-    gloo/nccl do not say plainly). Once a process group exists the line is also posted to the
-    other ranks (FailureBoard), which stop at once instead of waiting --pg-timeout."""
+    memory, with advice; a failed collective: the peers the FailureBoard saw go silent). Once a
+    process group exists the line is posted to the other ranks, which stop at once."""
 
     def __init__(self, rank, pg_timeout):
         self.rank, self.pg_timeout, self.device, self.board = rank, pg_timeout, None, None
@@ -858,10 +853,10 @@ class CrashReport:
         peer_words = ("Timed out", "timed out", "closed by peer", "Connection reset", "NCCL")
         if dist.is_initialized() and isinstance(exc, RuntimeError):
             if any(k in first for k in peer_words):
-                msg = (
-                    f"{exc_type.__name__}: a collective failed: a peer rank died or stopped "
-                    f"responding (--pg-timeout {self.pg_timeout:g}s) [{first}]"
-                )
+                who = self.board.silent_peers().values() if self.board else []
+                who = "; ".join(who) or "a peer rank died or stopped responding"
+                msg = f"{exc_type.__name__}: a collective failed: {who} "
+                msg += f"(--pg-timeout {self.pg_timeout:g}s) [{first}]"
         if self.board is not None and self.board.posted():  # a peer failed first: that is why
             msg = f"stopping, {self.board.posted()}"
         print(f"error [rank {self.rank}]: {msg}", file=sys.stderr, flush=True)
@@ -886,36 +881,91 @@ def oom_advice(exc, device):
     )
 
 
-class FailureBoard:
-    """A rank that crashes posts one line in the launcher's key-value store; a watcher thread on
-    every other rank sees it within a second, even while its main thread waits in a collective,
-    prints it and exits, instead of waiting --pg-timeout for a peer that is gone."""
+WHERE = {"phase": "setup", "iteration": 0}  # MAIN's stage: what the FailureBoard publishes
 
-    def __init__(self, store, rank):
-        self.store, self.rank = store, rank
+
+class FailureBoard:
+    """The ranks' record in the launcher's key-value store, kept by a watcher thread on every
+    rank (it runs while the main thread waits in a collective). Each second it publishes this
+    rank's host, pid, WHERE and a beat, and reads the others'. A crashing rank posts one line:
+    its peers print it and stop at once. A peer that died without a word, or whose beat stopped
+    (min(--pg-timeout, 60) s; 10 s for a same-host process seen stopped), is named. A dead
+    launcher calls `orphaned`."""
+
+    def __init__(self, store, rank, world_size, pg_timeout, orphaned):
+        self.store, self.rank, self.world_size, self.orphaned = store, rank, world_size, orphaned
+        self.stale_after, self.parent, self.seen = min(pg_timeout, 60.0), os.getppid(), {}
+        self.me, self.beat, self.store_alive = [socket.gethostname(), os.getpid()], 0, True
         threading.Thread(target=self.watch, daemon=True).start()
 
-    def post(self, line):
+    def call(self, fn, *args):
+        """fn(*args) on the store; None once it failed: its launcher died, and torch would warn
+        with a stack trace at every further call."""
         try:
-            self.store.set("failed", f"rank {self.rank}: {line}")
-        except Exception:  # the store is gone too: the launcher will stop the others
-            pass
+            return fn(*args) if self.store_alive else None
+        except Exception:
+            self.store_alive = False
+
+    def post(self, line):
+        self.call(self.store.set, "failed", f"rank {self.rank}: {line}")
 
     def posted(self):
         """Another rank's failure line, if one was posted (None if none, or the store is gone)."""
-        try:
-            line = self.store.get("failed").decode() if self.store.check(["failed"]) else None
-        except Exception:
-            return None
-        return None if line is None or line.startswith(f"rank {self.rank}:") else line
+        line = self.call(lambda: self.store.check(["failed"]) and self.store.get("failed").decode())
+        return None if not line or line.startswith(f"rank {self.rank}:") else line
+
+    def silent_peers(self):
+        """{rank: line} for each peer that died without a word or stopped beating: where it was."""
+        lines, now = {}, time.time()
+        for r, ((host, pid, phase, iteration, _), since) in sorted(self.seen.items()):
+            who = f"rank {r} ({host}, pid {pid})"
+            where = f"in the {phase} of iteration {iteration}" if iteration else f"in {phase}"
+            state = proc_state(pid) if host == self.me[0] else "?"  # "?": another node's
+            if state in (None, "Z", "X"):
+                lines[r] = (
+                    f"{who} died without a word {where}: killed by a signal? (on Linux "
+                    "the OOM killer is the usual cause: see dmesg)"
+                )
+            elif self.store_alive and now - since > (10 if state in "Tt" else self.stale_after):
+                lines[r] = f"{who} stopped answering {now - since:.0f} s ago, {where}"
+        return lines
 
     def watch(self):
-        while True:
-            time.sleep(0.5)
-            line = self.posted()
-            if line is not None:
-                print(f"error [rank {self.rank}]: stopping, {line}", file=sys.stderr, flush=True)
+        keys, silent = [f"seen/{r}" for r in range(self.world_size)], {}
+        while WHERE["phase"] not in ("exit", "end"):  # leaving ranks are no news
+            if os.getppid() != self.parent:  # reparented: our launcher died (SIGKILL, SIGUSR1)
+                self.parent, self.store_alive = os.getppid(), False  # its store may be gone too
+                self.orphaned()
+            self.beat += 1
+            record = [*self.me, WHERE["phase"], WHERE["iteration"], self.beat]
+            self.call(self.store.set, f"seen/{self.rank}", json.dumps(record))
+            if self.call(self.store.check, keys):
+                for r, raw in enumerate(self.call(self.store.multi_get, keys) or []):
+                    if r != self.rank and self.seen.get(r, (None,))[0] != json.loads(raw):
+                        self.seen[r] = json.loads(raw), time.time()
+            # a peer silent in two rounds in a row: one that just left through fail() is no news
+            before, silent = silent, self.silent_peers()
+            posted = self.posted()
+            line = posted or next((silent[r] for r in sorted(silent) if r in before), None)
+            if line is not None and WHERE["phase"] not in ("exit", "end"):
+                if not posted:
+                    self.post(line)
+                stop = "stopping, " if posted else ""
+                print(f"error [rank {self.rank}]: {stop}{line}", file=sys.stderr, flush=True)
                 os._exit(1)
+            time.sleep(1.0)
+
+
+def proc_state(pid):
+    """The state letter of a process on this host (S, R, T stopped, Z zombie...), None if it is
+    gone, "?" where there is no /proc."""
+    if not os.path.isdir("/proc/self"):
+        return "?"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 # ---- CHECKPOINTS: run name, atomic saves, pruning, resume, run time across restarts -----------
@@ -1002,8 +1052,8 @@ def load_checkpoint(path, agent):
     except FileNotFoundError:
         raise ValueError(f"checkpoint {path} does not exist")
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):
-            raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}")
+        if "unsupported global" not in str(e).lower() and not names_objects(path):
+            raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?)")
         raise ValueError(
             f"checkpoint {path} holds objects other than tensors: refused, nothing "
             "from it was run (load only files you trust, by other means)"
@@ -1034,6 +1084,17 @@ def load_checkpoint(path, agent):
         want = tuple(own[first].shape) if first in own else "not in this network"
         raise ValueError(f"checkpoint {path} does not fit the network: {first} {saw} vs {want}")
     return ckpt
+
+
+def names_objects(path):
+    """Whether a file torch's safe loader refused is a whole pickle that names Python objects
+    (which loading would build or call): read with pickletools, never run."""
+    try:
+        with open(path, "rb") as f:
+            ops = [op.name for op, _, _ in pickletools.genops(f)]
+    except Exception:  # not a pickle: garbage, or truncated
+        return False
+    return any(op in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE") for op in ops)
 
 
 def resume_problem(ckpt, path, args: Args):
@@ -1084,6 +1145,14 @@ class Checkpointer:
                 error = f"run {self.run_name} is already running ({holder} holds {lock})"
             except OSError as e:
                 error = f"cannot write the run directory runs/{self.run_name}: {one_line(e, 160)}"
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # e.g. NFS, no lockd
+                    print(
+                        f"warning: {lock} is on a filesystem without locks: a second launch of "
+                        "this run will not be refused",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    error = None
         if error := broadcast_object(error, self.world_size > 1):
             fail(error, self.rank, self.world_size)
 
@@ -1092,14 +1161,20 @@ class Checkpointer:
 
     def resume(self, agent, optimizer, scaler):
         """Load --resume into the (already built) agent, optimizer and scaler on every rank;
-        return the global step to continue from (0: a fresh start). Rank 0 reads the file and
-        broadcasts it, so nodes need no shared disk; a bad file stops every rank (with auto: when
-        no older one loads either); a finished run ends here with exit code 0."""
+        return the global step to continue from (0: a fresh start). One rank reads the file and
+        broadcasts it, so nodes need no shared disk: rank 0, or with auto the lowest rank whose
+        node holds the newest checkpoint. A bad file stops every rank (with auto: when no older
+        one loads either); a finished run ends here with exit code 0."""
         self.start = self.last_save = time.time()  # training time starts here, not at env setup
         if not self.args.resume:
             return 0
         ckpt, error, path, auto = None, None, None, self.args.resume == "auto"
-        if self.rank == 0:
+        holder, newest = 0, [int(os.path.basename(f)[5:-3]) for f in checkpoint_files(self.dir)]
+        if auto and self.world_size > 1:  # after a requeue rank 0 may be on another node
+            steps = [None] * self.world_size
+            dist.all_gather_object(steps, max(newest, default=-1))
+            holder = steps.index(max(steps))
+        if self.rank == holder:
             tried = []
             for path in reversed(checkpoint_files(self.dir)) if auto else [self.args.resume]:
                 try:
@@ -1112,8 +1187,12 @@ class Checkpointer:
                 print(f"warning: skipped {error}", flush=True)
                 tried.append(os.path.basename(path))
             if tried and error:
-                error = f"no checkpoint in {self.dir} loads (tried {', '.join(tried)})"
-        ckpt, error, path = broadcast_object((ckpt, error, path), self.world_size > 1)
+                error = (
+                    f"no checkpoint in {self.dir} loads (tried {', '.join(tried)}); nothing "
+                    "was overwritten: move them away, or use another --run-name, to start over"
+                )
+        found = (ckpt, error, path, socket.gethostname())
+        ckpt, error, path, host = broadcast_object(found, self.world_size > 1, src=holder)
         if error is not None:
             fail(error, self.rank, self.world_size)
         if ckpt is None:
@@ -1136,8 +1215,9 @@ class Checkpointer:
         self.elapsed_before = ckpt["elapsed"]
         seed_everything(self.args.seed + self.rank + step)  # random streams no start has used
         if self.rank == 0:
+            where = f" (on {host}, rank {holder}'s node)" if holder else ""
             print(
-                f"resumed {path}: iteration {step // self.args.batch_size + 1}, global step "
+                f"resumed {path}{where}: iteration {step // self.args.batch_size + 1}, global step "
                 f"{step}; environments start fresh"
             )
         return step
@@ -1171,7 +1251,8 @@ class Checkpointer:
             error = f"checkpoint at step {global_step} was not saved: {one_line(e, 160)}"
             if iteration == a.num_iterations and not now:  # MAIN stops the run with it
                 last = latest_checkpoint(self.dir)
-                self.save_error = f"the final {error}; the last good checkpoint is {last}"
+                last = f"the last good one is {last}" if last else "no checkpoint of it was saved"
+                self.save_error = f"the final {error}; {last}"
             else:
                 print(f"warning: {error}; the next save tries again", file=sys.stderr, flush=True)
             return None
@@ -1194,6 +1275,10 @@ class Preemption:
         self.master, self.signalled, self.since = master_process, None, 0.0
         for sig in signals:
             signal.signal(sig, self.note)
+
+    def orphaned(self):  # the FailureBoard saw our launcher die: stop as for a scheduler's signal
+        if self.signalled is None:
+            self.signalled, self.since = "launcher gone", time.time()
 
     def note(self, signum, frame):
         name = signal.Signals(signum).name
@@ -1222,6 +1307,7 @@ class Preemption:
                 f"{launcher} {shlex.join(sys.argv + again)}",
                 flush=True,
             )
+        WHERE["phase"] = "exit"
         if distributed:
             dist.barrier()  # a rank that left early would make torchrun stop rank 0's save
         leave(code, distributed)
@@ -1268,42 +1354,33 @@ def evaluate_checkpoint(args: Args, device, rank, world_size):
     except ValueError as e:
         fail(e, rank, world_size)
     returns = evaluate(agent, args, device, os.path.basename(args.eval_checkpoint))
+    games = f"{len(returns)} episodes, return {np.mean(returns):.2f} +- {np.std(returns):.2f}"
     print(
-        f"eval {args.eval_checkpoint} on {args.env_id}: {len(returns)} episodes, return "
-        f"{np.mean(returns):.2f} +- {np.std(returns):.2f} (min {min(returns):g}, max "
+        f"eval {args.eval_checkpoint} on {args.env_id}: {games} (min {min(returns):g}, max "
         f"{max(returns):g})"
     )
 
 
 # ---- ENV BACKENDS: sync / native, and --async-envs double buffering ---------------------------
 class NativeVectorEnv:
-    """--env-backend native: ale-py's C++ vector env (threads), behind the SyncVectorEnv API and
-    info format the rollout loop reads, with our pipeline's semantics (README "Flags")."""
+    """--env-backend native: ale-py's C++ vector env (threads) behind the SyncVectorEnv API and
+    info format the rollout reads, with make_env's semantics (README "Flags")."""
 
     def __init__(self, env_id, num_envs, num_threads, frame_stack):
-        # e.g. "BreakoutNoFrameskip-v4" -> game "breakout", its sticky actions and time limit
-        kw = gym.spec(env_id).kwargs
-        self.env = AtariVectorEnv(
-            kw["game"],
-            num_envs,
-            num_threads=num_threads,
-            batch_size=num_envs,
-            autoreset_mode="SameStep",
-            frameskip=4,
-            maxpool=True,
-            noop_max=30,
-            use_fire_reset=True,  # at a game's start only: after a lost life the agent fires
-            grayscale=True,
-            img_height=84,
-            img_width=84,
-            stack_num=1,  # we stack: a new life/game starts from copies of its first frame
-            episodic_life=False,  # True would reset the whole game at every life loss; instead
-            life_loss_info=True,  # a life loss only sets terminated, and the game goes on
-            reward_clipping=False,  # returns must be the real score; we clip the agent's reward
+        kw = gym.spec(env_id).kwargs  # e.g. game "breakout", its sticky actions and time limit
+        # FIRE at a game's start only (after a lost life the agent fires); we stack the frames
+        # (a new life or game starts from copies of its first one); a life loss only sets
+        # terminated (episodic_life would reset the game); rewards unclipped: returns are scores
+        options = dict(num_threads=num_threads, batch_size=num_envs, autoreset_mode="SameStep")
+        options |= dict(frameskip=4, maxpool=True, noop_max=30, use_fire_reset=True)
+        options |= dict(grayscale=True, img_height=84, img_width=84, stack_num=1)
+        options |= dict(episodic_life=False, life_loss_info=True, reward_clipping=False)
+        options |= dict(
             repeat_action_probability=kw.get("repeat_action_probability", 0.25),
             full_action_space=kw.get("full_action_space", False),
             max_num_frames_per_episode=kw.get("max_num_frames_per_episode", 108000),
         )
+        self.env = AtariVectorEnv(kw["game"], num_envs, **options)
         self.num_envs, self.frame_stack = num_envs, frame_stack
         self.single_observation_space = gym.spaces.Box(0, 255, (frame_stack, 84, 84), np.uint8)
         self.single_action_space = self.env.single_action_space
@@ -1339,24 +1416,21 @@ class NativeVectorEnv:
         infos = self._info(info)
         # A game ended (game over or time limit) exactly when ale-py reset it this step: the
         # episode frame counter restarted while the global one went on. The old game lasted
-        # offset - old_offset raw frames (reset no-ops and FIRE included), as
-        # RecordEpisodeStatistics counts on the raw env.
+        # offset - old_offset raw frames, as RecordEpisodeStatistics counts on the raw env.
         game_over = self.offset != old_offset
         self.returns += reward
         done = term | trunc
         last = np.concatenate([self.stack[:, 1:], frame], axis=1)
         if game_over.any():  # SAME_STEP: `frame` is already the new game's first frame there
             last[game_over, -1] = info["final_obs"][game_over, 0]
-        # New life or game: copies of its first frame. np.where makes a new array every step,
-        # so an obs handed out earlier (maybe shared by a CPU tensor) is never overwritten.
+        # A new life or game starts from copies of its first frame. np.where makes a new array:
+        # an obs handed out earlier (maybe shared by a CPU tensor) is never overwritten.
         self.stack = np.where(done[:, None, None, None], frame, last)
         if done.any():  # as gymnasium, but final_obs is one (N, C, 84, 84) array (valid where done)
             infos.update(final_obs=last, _final_obs=done, final_info={}, _final_info=done)
             if game_over.any():
-                episode = {
-                    "r": np.where(game_over, self.returns, 0.0),
-                    "l": np.where(game_over, self.offset - old_offset, 0),
-                }
+                r, length = np.where(game_over, self.returns, 0.0), self.offset - old_offset
+                episode = {"r": r, "l": np.where(game_over, length, 0)}
                 infos["final_info"] = {"episode": episode, "_episode": game_over}
         self.returns[game_over] = 0.0
         return self.stack, np.sign(reward).astype(np.float64), term, trunc, infos
@@ -1580,6 +1654,13 @@ def frame_buffer(shape, channels_last, device):
     return flat.zero_().view(shape)
 
 
+def upload(array, device):
+    """A numpy array on `device` (on CPU sharing its memory); on CUDA through pinned memory with
+    non_blocking: a pageable copy would make the host wait for the GPU."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
+
+
 class StepUpload:
     """A step's frames, rewards and dones to the device in ONE copy (on CUDA three pinned copies
     and two cast kernels otherwise): packed into one reused host buffer, pinned on CUDA, with
@@ -1791,6 +1872,44 @@ class Progress:
         return "\n".join(rows)
 
 
+class EventWriter(SummaryWriter):
+    """TensorBoard's writer, but a failed write (a full disk) never takes the run down: it warns
+    once and drops the events after it (the checkpoints decide whether the run ended well)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        hook = threading.excepthook  # its writer thread's error comes back through safely()
+
+        def quiet(a):
+            if type(a.thread).__name__ != "_AsyncWriterThread":
+                hook(a)
+
+        threading.excepthook = quiet
+
+    def safely(self, write, *args, **kwargs):
+        if getattr(self, "failed", False):
+            return
+        try:
+            write(*args, **kwargs)
+        except Exception as e:
+            self.failed = True
+            print(
+                f"warning: TensorBoard events are no longer written: {one_line(e, 160)}; "
+                "training goes on",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def add_scalar(self, *args, **kwargs):
+        self.safely(super().add_scalar, *args, **kwargs)
+
+    def add_text(self, *args, **kwargs):
+        self.safely(super().add_text, *args, **kwargs)
+
+    def close(self):
+        self.safely(super().close)
+
+
 class CollectiveClock:
     """`with clock:` times a block; read() returns the sum since the last read. gloo
     blocks, so the host clock is right on CPU; NCCL calls only enqueue work, so on CUDA events
@@ -1834,6 +1953,26 @@ def gather_reports(report, world_size):
     reports = [None] * world_size
     dist.all_gather_object(reports, report)
     return reports
+
+
+def print_setup(args: Args, backend, device, torch_threads, env_threads, warnings_):
+    """Rank 0's lines at start: the run, its layout and sizes, and any warnings."""
+    native = f", {env_threads} per env group" if args.env_backend == "native" else ""
+    uneven = f"\n  rank_envs {args.rank_envs} (local sizes: rank 0's)" if args.rank_envs else ""
+    print(
+        f"run {args.run_name}: {args.world_size} rank(s), backend {backend}, device "
+        f"{device.type}, {torch_threads} thread(s) per rank{native}\n"
+        f"  local_num_envs {args.local_num_envs:>5} | num_envs {args.num_envs:>6} | "
+        f"num_steps {args.num_steps}\n"
+        f"  local_batch_size {args.local_batch_size:>3} | batch_size {args.batch_size:>4} | "
+        f"num_minibatches {args.num_minibatches}\n"
+        f"  local_minibatch_size {args.local_minibatch_size} | minibatch_size "
+        f"{args.minibatch_size} | grad_accum {args.grad_accum} | num_iterations "
+        f"{args.num_iterations}{uneven}"
+    )
+    for warning in warnings_:
+        if warning:
+            print(warning)
 
 
 # ---- BALANCE: --balance-envs moves envs from slower ranks to faster ones (README "Uneven ranks") -
@@ -1931,26 +2070,6 @@ def replicas_identical(params, device, distributed):
     return bool(same.item())
 
 
-def print_setup(args: Args, backend, device, torch_threads, env_threads, warnings_):
-    """Rank 0's lines at start: the run, its layout and sizes, and any warnings."""
-    native = f", {env_threads} per env group" if args.env_backend == "native" else ""
-    uneven = f"\n  rank_envs {args.rank_envs} (local sizes: rank 0's)" if args.rank_envs else ""
-    print(
-        f"run {args.run_name}: {args.world_size} rank(s), backend {backend}, device "
-        f"{device.type}, {torch_threads} thread(s) per rank{native}\n"
-        f"  local_num_envs {args.local_num_envs:>5} | num_envs {args.num_envs:>6} | "
-        f"num_steps {args.num_steps}\n"
-        f"  local_batch_size {args.local_batch_size:>3} | batch_size {args.batch_size:>4} | "
-        f"num_minibatches {args.num_minibatches}\n"
-        f"  local_minibatch_size {args.local_minibatch_size} | minibatch_size "
-        f"{args.minibatch_size} | grad_accum {args.grad_accum} | num_iterations "
-        f"{args.num_iterations}{uneven}"
-    )
-    for warning in warnings_:
-        if warning:
-            print(warning)
-
-
 # ================================================================================================
 # MAIN
 # ================================================================================================
@@ -1974,9 +2093,8 @@ if __name__ == "__main__":
         check_launch(os.environ)
         flag_warnings = check_args(args, world_size, rank)
         num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        device, backend = choose_device(
-            args, rank, local_rank, world_size, local_world_size, num_gpus
-        )
+        layout = (rank, local_rank, world_size, local_world_size)
+        device, backend = choose_device(args, *layout, num_gpus)
     except ValueError as e:
         fail(e, rank, world_size)
     if device.type == "cuda":
@@ -1990,7 +2108,8 @@ if __name__ == "__main__":
         sys.exit(0)
     if distributed:
         board_store = init_distributed(backend, rank, world_size, args.pg_timeout)
-        crash_report.board = FailureBoard(board_store, rank)
+        board = FailureBoard(board_store, rank, world_size, args.pg_timeout, preemption.orphaned)
+        crash_report.board = board
         sys.excepthook = crash_report  # init_process_group wrapped it; ours names the rank
         try:
             check_same_flags(args, world_size)
@@ -2010,15 +2129,9 @@ if __name__ == "__main__":
         if args.track:
             import wandb
 
-            wandb.init(
-                project=args.wandb_project_name,
-                entity=args.wandb_entity,
-                sync_tensorboard=True,
-                config=vars(args),
-                name=run_name,
-                monitor_gym=True,
-                save_code=True,
-            )
+            project = dict(project=args.wandb_project_name, entity=args.wandb_entity)
+            setup = dict(sync_tensorboard=True, config=vars(args), name=run_name, save_code=True)
+            wandb.init(**project, **setup, monitor_gym=True)
 
     # Seeding: distinct env seeds on every rank; python/numpy/torch streams differ per rank
     seed_everything(args.seed + rank)
@@ -2058,12 +2171,10 @@ if __name__ == "__main__":
     if master_process:
         # purge_step: TensorBoard hides what a crashed run logged after its last checkpoint (all
         # of it on a fresh start: a run that stopped before its first save left only events)
-        writer = SummaryWriter(f"runs/{run_name}", purge_step=global_step + 1 if global_step else 0)
+        writer = EventWriter(f"runs/{run_name}", purge_step=global_step + 1 if global_step else 0)
         atexit.register(writer.close)  # flush the logs even when the run fails
-        writer.add_text(
-            "hyperparameters",
-            "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{k}|{v}|" for k, v in vars(args).items()])),
-        )
+        table = "\n".join([f"|{k}|{v}|" for k, v in vars(args).items()])
+        writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
 
     balancer = Balancer(args, world_size)
     if balancer.fits(checkpointer.split, args):  # --balance-envs resumes from the saved split
@@ -2085,6 +2196,7 @@ if __name__ == "__main__":
         # coef["ent_coef"].fill_(args.ent_coef * (1.0 - (iteration - 1.0) / args.num_iterations))
 
         # ---- rollout ----
+        WHERE.update(phase="rollout", iteration=iteration)
         t_rollout, envs.env_time, episodes = time.perf_counter(), 0.0, []
         # One no-grad/autocast region for the whole rollout: the weights do not change in it, so
         # under --amp their low-precision copies are cast once, not every step (autocast caches
@@ -2109,9 +2221,7 @@ if __name__ == "__main__":
                     # a time limit is not a real end: bootstrap from the final observation's value
                     cut = np.flatnonzero(truncations & ~terminations)
                     if len(cut):
-                        final_obs = torch.as_tensor(
-                            np.stack(infos["final_obs"][cut]), device=device
-                        )
+                        final_obs = upload(np.stack(infos["final_obs"][cut]), device)
                         reward[cut] += (
                             args.gamma * agent.get_value(final_obs).flatten().cpu().numpy()
                         )
@@ -2125,7 +2235,7 @@ if __name__ == "__main__":
         rollout_time, rollout_util = time.perf_counter() - t_rollout, gpu_util(device)
 
         # ---- advantages (GAE) ----
-        t_update = time.perf_counter()
+        WHERE["phase"], t_update = "update", time.perf_counter()
         with torch.no_grad(), autocast:
             next_value = agent.get_value(next_obs).reshape(1, -1)
             advantages, returns = compute_gae(
@@ -2144,7 +2254,7 @@ if __name__ == "__main__":
         clipfrac_sum, num_updates = torch.zeros((), device=device), 0
         for epoch in range(args.update_epochs):
             np.random.shuffle(b_inds)
-            epoch_inds = torch.as_tensor(b_inds, device=device)  # one copy per epoch
+            epoch_inds = upload(b_inds, device)  # one copy per epoch, none per minibatch
             for start in range(0, args.local_batch_size, args.local_minibatch_size):
                 mb_inds = epoch_inds[start : start + args.local_minibatch_size]
                 minibatch_gradient(agent, args, coef, batch, mb_inds, buckets, autocast, scaler)
@@ -2177,6 +2287,7 @@ if __name__ == "__main__":
             "resources": rank_resources(device, [rollout_util, gpu_util(device)]),
             "signal": preemption.signalled,  # a scheduler's warning signal on this rank
         }
+        WHERE["phase"] = "report"
         reports = gather_reports(report, world_size)
         if master_process:
             stats = dict(zip(LOSS_STATS, buckets.stats.tolist()))
@@ -2201,7 +2312,7 @@ if __name__ == "__main__":
 
         # ---- checkpoint; on a preemption signal (any rank) all ranks stop after this save ----
         stopped = [f"rank {r}: {rep['signal']}" for r, rep in enumerate(reports) if rep["signal"]]
-        saved = None
+        saved, WHERE["phase"] = None, "save"
         if master_process:
             saved = checkpointer.maybe_save(
                 iteration, global_step, agent, optimizer, scaler, now=bool(stopped)
@@ -2210,6 +2321,7 @@ if __name__ == "__main__":
             preemption.exit_after_save(stopped, saved, args, distributed)
 
     # ---- the end: replicas must still agree; save, evaluate, leave ----
+    WHERE["phase"] = "end"
     replicas_ok = replicas_identical(params, device, distributed)
     envs.close()
     if distributed:

@@ -2,10 +2,11 @@
 process on this machine (the trainer's own Agent, ppo_loss and optimizer settings):
     python benchmark/compile_pieces.py [--threads 1] [--envs 4] [--minibatch 256]
         [--precisions fp32 bf16] [--repeats 30] [--host HOST]
-Pieces: the rollout's policy step (Agent.act on `envs` frames, sampling inside the compiled
-graph or outside it), the update's loss + backward of one minibatch, and the clip + Adam step
-(compiled, or eager with fused Adam). And when the gradient hooks fire in the loss's backward
-(GradBuckets launches its all-reduces from them): the first as a fraction of the backward's time.
+Pieces: the rollout's policy step (Agent.get_action_and_value on `envs` frames, as the
+trainer's compiled_policy, sampling inside the compiled graph or outside it), the update's loss +
+backward of one minibatch, and the clip + Adam step (compiled, or eager with fused Adam). And
+when the gradient hooks fire in the loss's backward (GradBuckets launches its all-reduces from
+them): the first as a fraction of the backward's time.
 Median milliseconds after warm-up, the compiled/eager ratio and the compile seconds. Writes a
 markdown table to stdout and to benchmark/results/compile-pieces-<host>.md."""
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import load_trainer  # noqa: E402
 
 N_ACTIONS = 4  # Breakout's
+OBS_SHAPE = (4, 84, 84)  # the trainer's default --frame-stack 4 of 84x84 frames
 
 
 def compare(eager, compiled, repeats):
@@ -50,15 +52,16 @@ def pieces(mod, a, amp):
     torch._dynamo.reset()
     args = mod.Args(amp=amp)
     torch.manual_seed(0)
-    agent = mod.speed_up(mod.Agent(N_ACTIONS), args)
+    agent = mod.speed_up(mod.Agent(OBS_SHAPE, N_ACTIONS), args)
     params = list(agent.parameters())
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
     optimizer = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5, foreach=True)
     autocast, _ = mod.precision(args, torch.device("cpu"))
-    frames = torch.randint(0, 256, (a.envs, 4, 84, 84), dtype=torch.uint8)
+    coef = mod.loss_coefficients(args, torch.device("cpu"))
+    frames = torch.randint(0, 256, (a.envs, *OBS_SHAPE), dtype=torch.uint8)
     frames = frames.contiguous(memory_format=torch.channels_last)
     n = a.minibatch
-    obs = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8)
+    obs = torch.randint(0, 256, (n, *OBS_SHAPE), dtype=torch.uint8)
     obs = obs.contiguous(memory_format=torch.channels_last)
     actions = torch.randint(0, N_ACTIONS, (n,))
     with torch.no_grad(), autocast:
@@ -68,18 +71,19 @@ def pieces(mod, a, amp):
     batch = (obs, actions, logprobs, adv, values + adv, values)
 
     def heads(x):  # the policy step's network part; sampling then eager
-        hidden = agent.hidden(x)
+        features = agent.features(x)
         with torch.autocast("cpu", enabled=False):
-            return agent.actor(hidden), agent.critic(hidden)
+            return agent.actor(features), agent.critic(features)
 
     compiled_heads = torch.compile(heads, dynamic=False)
-    compiled_act = torch.compile(agent.act, dynamic=False)
+    # the trainer's agent.compiled_policy (speed_up under --compile)
+    compiled_policy = torch.compile(agent.get_action_and_value, dynamic=False)
 
-    def act_outside(x):
+    def policy_outside(x):
         logits, value = compiled_heads(x)
         probs = mod.Categorical(logits=logits, validate_args=False)
         action = probs.sample()
-        return action, probs.log_prob(action), value
+        return action, probs.log_prob(action), probs.entropy(), value
 
     def policy(fn):
         def run():
@@ -97,7 +101,7 @@ def pieces(mod, a, amp):
             if forward is not None:  # the loss eager around a compiled network + heads
                 agent.get_action_and_value = forward
             with autocast:
-                loss, _ = loss_fn(agent, args, *batch)
+                loss, _ = loss_fn(agent, args, coef, *batch)
             loss.backward()
             agent.__dict__.pop("get_action_and_value", None)
 
@@ -136,8 +140,16 @@ def pieces(mod, a, amp):
         }
     }
     for name, eager, variants in (
-        ("policy step, sampling inside", policy(agent.act), policy(compiled_act)),
-        ("policy step, sampling outside", policy(agent.act), policy(act_outside)),
+        (
+            "policy step, sampling inside",
+            policy(agent.get_action_and_value),
+            policy(compiled_policy),
+        ),
+        (
+            "policy step, sampling outside",
+            policy(agent.get_action_and_value),
+            policy(policy_outside),
+        ),
         (
             f"loss + backward ({n}), all compiled (--compile)",
             backward(mod.ppo_loss),

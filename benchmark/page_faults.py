@@ -1,9 +1,10 @@
 """Minor page faults of the trainer's forward+backward, with and without keep_freed_memory():
     python benchmark/page_faults.py [--out benchmark/results/page-faults-<host>.md]
 Each mode runs in a fresh interpreter (the allocator settings are process-wide): one torch
-thread, the trainer's Agent(4), a uint8 batch of 128x4x84x84, one warm-up pass, then the minor
-page faults (ru_minflt) of 3 forward+backward passes. Prints a markdown table and the C library
-version; the counts depend on that library's allocator, so this is a measurement, not a test."""
+thread, the trainer's Agent((4, 84, 84), 4), a uint8 batch of 128x4x84x84, one warm-up pass,
+then the minor page faults (ru_minflt) of 3 forward+backward passes. Prints a markdown table and
+the C library version; the counts depend on that library's allocator, so this is a measurement,
+not a test."""
 
 import argparse
 import json
@@ -26,7 +27,7 @@ def worker(mode):
     torch.set_num_threads(1)
     ppo = load_trainer()
     accepted = ppo.keep_freed_memory() if mode == "keep" else None
-    agent = ppo.Agent(4)
+    agent = ppo.Agent((4, 84, 84), 4)  # Breakout: 4 actions, the default --frame-stack 4
     obs = torch.randint(0, 256, (128, 4, 84, 84), dtype=torch.uint8)
 
     def faults():
@@ -73,7 +74,9 @@ def main():
             notes.append(f"keep_freed_memory() returned {result['accepted']}")
     lines += [
         "",
-        f"C library: {libc or 'unknown'} {version}; " + "; ".join(notes) + ". Agent(4), uint8 "
+        f"C library: {libc or 'unknown'} {version}; "
+        + "; ".join(notes)
+        + ". Agent((4, 84, 84), 4), uint8 "
         "batch 128×4×84×84, 1 thread, after one warm-up pass; each mode in a fresh interpreter.",
     ]
     text = "\n".join(lines) + "\n"

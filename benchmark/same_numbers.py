@@ -38,8 +38,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old" / "ppo_atari_multigpu.py"
         old.parent.mkdir()
-        old.write_text(subprocess.check_output(["git", "-C", str(ROOT), "show",
-                                                f"{a.rev}:ppo_atari_multigpu.py"], text=True))
+        old.write_text(
+            subprocess.check_output(
+                ["git", "-C", str(ROOT), "show", f"{a.rev}:ppo_atari_multigpu.py"], text=True
+            )
+        )
         models = []
         for name, script in (("old", old), ("new", ROOT / "ppo_atari_multigpu.py")):
             (Path(tmp) / f"run-{name}").mkdir()

@@ -250,7 +250,8 @@ def main():
     a.running, results, started = [], {}, datetime.datetime.now().astimezone()
     tmp = tempfile.mkdtemp(prefix="ppo-slow-link-")
     mod = load_trainer()
-    buffer_bytes = 4 * (sum(p.numel() for p in mod.Agent(4).parameters()) + len(mod.LOSS_STATS))
+    agent = mod.Agent((4, 84, 84), 4)  # Breakout's (the default --env-id) network
+    buffer_bytes = 4 * (sum(p.numel() for p in agent.parameters()) + len(mod.LOSS_STATS))
     a.net = Link()
     try:
         a.net.make()

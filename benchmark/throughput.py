@@ -11,7 +11,6 @@ its own interpreter PY, which has the packages it needs) joins the alternation o
 measured in this run, with the same SPS measure."""
 
 import argparse
-import contextlib
 import datetime
 import importlib.util
 import json
@@ -107,7 +106,7 @@ def worker_env(mod, a):
     import gymnasium as gym
 
     envs = gym.vector.SyncVectorEnv(
-        [mod.make_env(a.env_id, i, False, "bench") for i in range(8)],
+        [mod.make_env(a.env_id, i, False, "bench", mod.Args.frame_stack) for i in range(8)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
     return {"env steps/s": step_random(envs, 8)}
@@ -118,7 +117,7 @@ def worker_native(mod, a):
     and with all."""
     result = {}
     for t in sorted({1, os.cpu_count()}):
-        envs = mod.NativeVectorEnv(a.env_id, 8, num_threads=t)
+        envs = mod.NativeVectorEnv(a.env_id, 8, num_threads=t, frame_stack=mod.Args.frame_stack)
         result[f"env steps/s, {t} thread(s)"] = step_random(envs, 8)
     return result
 
@@ -140,13 +139,14 @@ def worker_update(mod, a, bf16):
     )
     mod.resolve_sizes(targs, 1)
     n_actions, n = gym.make(a.env_id).action_space.n, targs.local_batch_size
-    agent = mod.speed_up(mod.Agent(n_actions).to(device), targs)  # as the trainer
+    obs_shape = (targs.frame_stack, 84, 84)  # what the trainer's envs give
+    agent = mod.speed_up(mod.Agent(obs_shape, n_actions).to(device), targs)  # as the trainer
     optimizer = torch.optim.Adam(agent.parameters(), lr=targs.learning_rate, eps=1e-5, foreach=True)
     params = list(agent.parameters())
-    n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
     buckets = mod.GradBuckets(params, flat, targs.bucket_mb, 1)  # one rank: no collectives
-    obs = torch.randint(0, 256, (n, 4, 84, 84), dtype=torch.uint8, device=device)
+    coef = mod.loss_coefficients(targs, device)
+    obs = torch.randint(0, 256, (n, *obs_shape), dtype=torch.uint8, device=device)
     actions = torch.randint(0, n_actions, (n,), device=device)
     with torch.inference_mode():  # log-probs and values of the same policy: ratios start near 1
         _, logprobs, _, values = agent.get_action_and_value(obs, actions)
@@ -154,16 +154,18 @@ def worker_update(mod, a, bf16):
     advantages = torch.randn(n, device=device)
     batch = (obs, actions, logprobs.clone(), advantages, values + advantages, values)
     autocast, scaler = mod.precision(targs, device)  # as the trainer: bf16 autocast or none
-    times, timer = [], contextlib.nullcontext()  # one rank: no collectives to time
+    times = []
     for _ in range(1 + 3):  # one warm-up update, then three timed ones
         t = time.perf_counter()
         for _ in range(targs.update_epochs):
-            inds = mod.upload(np.random.permutation(n), device)  # as the trainer: once per epoch
+            # as the trainer: the permutation goes to the device once per epoch
+            inds = torch.as_tensor(np.random.permutation(n), device=device)
             for start in range(0, n, targs.local_minibatch_size):
                 mb_inds = inds[start : start + targs.local_minibatch_size]
                 mod.minibatch_gradient(
-                    agent, targs, buckets, n_params, batch, mb_inds, 1, autocast, scaler, timer
+                    agent, targs, coef, batch, mb_inds, buckets, autocast, scaler
                 )
+                buckets.wait()  # one rank: no collectives
                 # the trainer's step sequence (the scaler acts under fp16 only)
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(params, targs.max_grad_norm)
@@ -207,7 +209,8 @@ def worker_allreduce(mod, a):
     import gymnasium as gym
     import torch.multiprocessing as mp
 
-    shapes = [tuple(p.shape) for p in mod.Agent(gym.make(a.env_id).action_space.n).parameters()]
+    agent = mod.Agent((mod.Args.frame_stack, 84, 84), gym.make(a.env_id).action_space.n)
+    shapes = [tuple(p.shape) for p in agent.parameters()]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

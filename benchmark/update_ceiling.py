@@ -26,7 +26,6 @@ primitive (bf16 on a CPU without bf16 instructions, e.g. AVX2 only) that row say
 this CPU" instead of a time."""
 
 import argparse
-import contextlib
 import os
 import platform
 import sys
@@ -194,16 +193,16 @@ def parts(mod, dtype, minibatch, repeats):
     args = mod.Args(amp="bf16" if dtype == "bf16" else "none", local_num_envs=4)
     mod.resolve_sizes(args, 1)
     cpu = torch.device("cpu")
-    agent = mod.speed_up(mod.Agent(4), args)  # as the trainer, before the flat buffer
+    agent = mod.speed_up(mod.Agent((4, 84, 84), 4), args)  # as the trainer, before the buffer
     autocast, scaler = mod.precision(args, cpu)
     params = list(agent.parameters())
     adam = torch.optim.Adam(params, lr=args.learning_rate, eps=1e-5, foreach=True)
     fused = torch.optim.Adam([p.detach().clone() for p in params], lr=1e-4, fused=True)
     for p, q in zip(params, fused.param_groups[0]["params"]):
         q.grad = torch.randn_like(p)
-    n_params = sum(p.numel() for p in params)
     flat = mod.flat_grad_buffer(params, len(mod.LOSS_STATS))
     buckets = mod.GradBuckets(params, flat, args.bucket_mb, 1)  # one rank: no collectives
+    coef = mod.loss_coefficients(args, cpu)
     n = 4 * minibatch  # a rollout of 4 minibatches
     frames = mod.frame_buffer((n, 1, 4, 84, 84), args.channels_last, cpu).view(n, 4, 84, 84)
     frames.copy_(torch.randint(0, 256, frames.shape, dtype=torch.uint8))
@@ -212,10 +211,8 @@ def parts(mod, dtype, minibatch, repeats):
     first = agent.network[0].weight
 
     def gradient():
-        timer = contextlib.nullcontext()
-        mod.minibatch_gradient(
-            agent, args, buckets, n_params, batch, inds, 1, autocast, scaler, timer
-        )
+        mod.minibatch_gradient(agent, args, coef, batch, inds, buckets, autocast, scaler)
+        buckets.wait()  # one rank: returns at once
 
     def convert():
         with autocast:

@@ -55,11 +55,11 @@ def test_even_ranks_and_brief_spikes_move_nothing():
 def test_moves_keep_every_rank_divisible_into_its_minibatches():
     # 4 minibatches x 2 micro-batches of 2 steps: counts in granules of 4 envs
     args, bal = balancer(num_envs=16, num_steps=2, num_minibatches=4, grad_accum=2)
-    assert (bal.granule, bal.least) == (4, 4)
+    assert (bal.granule, bal.min_envs) == (4, 4)
     ((_, (split, _, _)),) = feed(bal, [8, 8], [1.0, 5.0], 20)
     assert split == [12, 4] and all(n * args.num_steps % 8 == 0 for n in split)
     _, bal = balancer(async_envs=True, num_envs=8)
-    assert bal.least == 2  # two env groups on every rank
+    assert bal.min_envs == 2  # two env groups on every rank
     assert feed(bal, [4, 4], [1.0, 50.0], 20)[0][1][0] == [6, 2]
 
 
@@ -80,14 +80,13 @@ def test_resume_with_balance_envs_starts_from_the_saved_split(run_trainer, tmp_p
     flags = [*TINY[:at], *TINY[at + 2 :], "--num-envs", "4", "--total-timesteps", "384"]
     sizes = dict(num_envs=4, num_steps=32, update_epochs=1, num_minibatches=2)
     args = ppo.resolve_sizes(ppo.Args(**sizes, total_timesteps=384, balance_envs=True), 2)
-    agent = ppo.Agent(4)
+    agent = ppo.Agent((4, 84, 84), 4)
     ckpt = {
         "model": agent.state_dict(),
         "optimizer": torch.optim.Adam(agent.parameters()).state_dict(),
         "iteration": 1,
         "global_step": 128,
         "args": dict(vars(args), rank_envs=[3, 1]),
-        "rng": [ppo.rng_state()] * 2,
         "world_size": 2,
         "elapsed": 1.0,
     }

@@ -4,6 +4,7 @@ import contextlib
 import glob
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -18,33 +19,56 @@ from conftest import SCRIPT, TINY, free_port, scalar_tags, torchrun
 import ppo_atari_multigpu as ppo
 
 
+def agent(num_actions=4):
+    """The trainer's network for Breakout's frames (what load_checkpoint checks a file against)."""
+    return ppo.Agent((4, 84, 84), num_actions)
+
+
 def small_checkpoint(iteration, num_actions=4):
-    agent = ppo.Agent(num_actions)
-    opt = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    agent_ = agent(num_actions)
+    opt = torch.optim.Adam(agent_.parameters(), lr=1e-3)
     return {
-        "model": agent.state_dict(),
+        "model": agent_.state_dict(),
         "optimizer": opt.state_dict(),
         "iteration": iteration,
         "global_step": 64 * iteration,
         "args": {"env_id": "X"},
-        "rng": [ppo.rng_state()],
         "world_size": 1,
         "elapsed": 1.0,
     }
+
+
+class Crash(BaseException):
+    """The process dies here: no `except Exception` handler runs (as after a SIGKILL)."""
 
 
 def test_crash_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     good = ppo.save_checkpoint(small_checkpoint(1), str(tmp_path), keep=3)
 
     def crash(src, dst):
-        raise OSError("simulated crash before rename")
+        raise Crash("simulated crash before rename")
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(Crash):
         ppo.save_checkpoint(small_checkpoint(2), str(tmp_path), keep=3)
     assert os.path.exists(tmp_path / "ckpt_000000000128.pt.tmp")  # the half-done write is there...
     assert ppo.latest_checkpoint(str(tmp_path)) == good  # ...but resume never picks it
-    assert ppo.load_checkpoint(good, 4)["iteration"] == 1
+    assert ppo.load_checkpoint(good, agent())["iteration"] == 1
+
+
+def test_a_failed_save_raises_oserror_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    good = ppo.save_checkpoint(small_checkpoint(1), str(tmp_path), keep=3)
+
+    def full_disk(*args, **kwargs):  # torch's zip writer reports it as a RuntimeError
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("PytorchStreamWriter failed writing file data/0")
+
+    monkeypatch.setattr(ppo.torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        ppo.save_checkpoint(small_checkpoint(2), str(tmp_path), keep=3)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(good)]  # no partial file either
 
 
 def test_only_the_latest_keep_checkpoints_are_kept(tmp_path):
@@ -53,38 +77,63 @@ def test_only_the_latest_keep_checkpoints_are_kept(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt_000000000256.pt", "ckpt_000000000320.pt"]
 
 
-def test_loaded_checkpoint_equals_saved_state_exactly(tmp_path):
-    torch.manual_seed(3)
-    agent = ppo.Agent(4)
-    opt = torch.optim.Adam(agent.parameters(), lr=1e-3, eps=1e-5)
-    agent.get_value(torch.rand(2, 4, 84, 84) * 255).sum().backward()
-    opt.step()
-    random.seed(5), np.random.seed(5), torch.manual_seed(5)
-    saved = {
-        "model": agent.state_dict(),
-        "optimizer": opt.state_dict(),
-        "iteration": 7,
-        "global_step": 7168,
-        "args": {},
-        "rng": [ppo.rng_state()],
-        "world_size": 1,
-        "elapsed": 12.5,
-    }
-    draws = (random.random(), np.random.rand(), torch.rand(1))
-    path = ppo.save_checkpoint(saved, str(tmp_path), keep=1)
+def trained_parts(seed=3):
+    """An agent, its Adam after one step and an fp16 GradScaler that has scaled once."""
+    torch.manual_seed(seed)
+    agent_ = agent()
+    opt = torch.optim.Adam(agent_.parameters(), lr=1e-3, eps=1e-5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(agent_.get_value(torch.rand(2, 4, 84, 84) * 255).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    return agent_, opt, scaler
 
-    loaded = ppo.load_checkpoint(path, 4)
-    for k, v in saved["model"].items():
+
+def test_loaded_checkpoint_equals_saved_state_exactly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = resolved(save_interval=0)
+    parts = trained_parts()
+    checkpointer = ppo.Checkpointer(args, "r", 0, 1)
+    checkpointer.elapsed = lambda: 12.5  # the run's training time so far
+    path = checkpointer.maybe_save(3, 192, *parts, now=True)  # what the trainer writes
+
+    loaded = ppo.load_checkpoint(path, agent())
+    keys = {"model", "optimizer", "scaler", "iteration", "global_step", "args", "world_size"}
+    assert set(loaded) == keys | {"elapsed"}  # no RNG states: a resume reseeds (next test)
+    model, optimizer, scaler = (part.state_dict() for part in parts)
+    for k, v in model.items():
         assert torch.equal(v, loaded["model"][k]), k
-    restored = ppo.Agent(4)
+    restored = agent()
     opt2 = torch.optim.Adam(restored.parameters(), lr=1e-3, eps=1e-5)
     opt2.load_state_dict(loaded["optimizer"])
-    for k, st in opt.state_dict()["state"].items():
+    for k, st in optimizer["state"].items():
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(st[name], opt2.state_dict()["state"][k][name])
-    assert (loaded["iteration"], loaded["global_step"], loaded["elapsed"]) == (7, 7168, 12.5)
-    ppo.set_rng_state(loaded["rng"][0])  # the RNG streams continue exactly where they were saved
-    assert draws == (random.random(), np.random.rand(), torch.rand(1))
+    assert "scale" in scaler and loaded["scaler"] == scaler  # fp16's loss scale and its tracker
+    assert loaded["args"] == vars(args)
+    assert (loaded["iteration"], loaded["global_step"], loaded["world_size"]) == (3, 192, 1)
+    assert loaded["elapsed"] == 12.5
+
+
+def test_a_resumed_run_draws_from_random_streams_the_fresh_start_did_not_use(tmp_path, monkeypatch):
+    # RNG states are not saved: a resume reseeds python, numpy and torch from seed + rank + step,
+    # so it is reproducible and does not repeat the draws of the run's fresh start
+    monkeypatch.chdir(tmp_path)
+    path = ppo.Checkpointer(resolved(), "r", 0, 1).maybe_save(2, 128, *trained_parts(), now=True)
+
+    def draws():
+        return random.random(), np.random.rand(), torch.rand(1).item()
+
+    def resume():
+        checkpointer = ppo.Checkpointer(resolved(resume=path), "r", 0, 1)
+        assert checkpointer.resume(*trained_parts(seed=4)) == 128
+        return draws()
+
+    ppo.seed_everything(ppo.Args().seed + 0)  # what MAIN draws from at a fresh start (rank 0)
+    fresh = draws()
+    resumed = resume()
+    assert all(a != b for a, b in zip(fresh, resumed))
+    assert resume() == resumed  # the same checkpoint resumes the same streams
 
 
 @pytest.mark.parametrize(
@@ -94,7 +143,10 @@ def test_loaded_checkpoint_equals_saved_state_exactly(tmp_path):
         ("garbage", ["unreadable"]),
         ("missing", ["does not exist"]),
         ("other_env", ["trained with 6 actions", "this env has 4"]),
-        ("other_network", ["does not fit the network", "network.0.weight"]),
+        ("other_network", ["does not fit the network: network.0.weight (16, 4, 8, 8) vs (32,"]),
+        ("other_frame_stack", ["does not fit the network: network.0.weight (32, 2, 8, 8) vs"]),
+        ("missing_key", ["does not fit the network: critic.bias missing vs (1,)"]),
+        ("not_tensors", ["holds objects other than tensors: refused, nothing from it was run"]),
     ],
 )
 def test_bad_checkpoint_is_refused_with_one_line_naming_file_and_mismatch(tmp_path, case, words):
@@ -111,12 +163,29 @@ def test_bad_checkpoint_is_refused_with_one_line_naming_file_and_mismatch(tmp_pa
         ckpt = small_checkpoint(1)
         ckpt["model"]["network.0.weight"] = torch.zeros(16, 4, 8, 8)
         torch.save(ckpt, path)
+    elif case == "other_frame_stack":  # --frame-stack 2's network
+        torch.save(ppo.Agent((2, 84, 84), 4).state_dict(), path)
+    elif case == "missing_key":
+        ckpt = small_checkpoint(1)
+        del ckpt["model"]["critic.bias"]
+        torch.save(ckpt, path)
+    elif case == "not_tensors":  # unpickling it would create a file
+        torch.save(dict(small_checkpoint(1), extra=Payload(str(tmp_path / "ran"))), path)
     with pytest.raises(ValueError) as err:
-        ppo.load_checkpoint(path, 4)
+        ppo.load_checkpoint(path, agent())
     msg = str(err.value)
     assert "\n" not in msg and path in msg
     for word in words:
         assert word in msg
+    assert not os.path.exists(tmp_path / "ran")  # nothing in the file ran
+
+
+class Payload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
 
 
 def test_corrupt_checkpoint_stops_every_rank_with_the_message(run_trainer, tmp_path):
@@ -162,7 +231,7 @@ def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total_wit
         in out.stdout
     )
     assert "iter 3/4" in out.stdout and "iter 1/4" not in out.stdout
-    final = ppo.load_checkpoint(str(tmp_path / "runs/r/checkpoints/ckpt_000000000256.pt"), 4)
+    final = ppo.load_checkpoint(str(tmp_path / "runs/r/checkpoints/ckpt_000000000256.pt"), agent())
     assert (final["iteration"], final["global_step"]) == (4, 256)
     # the resumed run steps with this trainer's Adam, the foreach one test_fast_path checks
     group = final["optimizer"]["param_groups"][0]
@@ -217,7 +286,7 @@ def test_two_identical_deterministic_cpu_runs_give_bit_identical_parameters(run_
 
 
 def test_eval_mode_plays_the_requested_number_of_games(run_trainer, tmp_path):
-    torch.save(ppo.Agent(4).state_dict(), tmp_path / "m.model")
+    torch.save(agent().state_dict(), tmp_path / "m.model")
     out = run_trainer("--no-cuda", "--eval-checkpoint", "m.model", "--eval-episodes", "3")
     assert out.returncode == 0, out.stderr[-2000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("eval m.model")][0]
@@ -248,8 +317,8 @@ def test_evaluation_plays_full_games_and_takes_the_same_number_from_every_env(mo
 
     monkeypatch.setattr(ppo, "make_env", recording_make_env)
     torch.manual_seed(0)
-    cpu = torch.device("cpu")
-    returns = ppo.evaluate(ppo.Agent(4), "BreakoutNoFrameskip-v4", 3, cpu, False, "t", 1, 2)
+    args = ppo.Args(env_id="BreakoutNoFrameskip-v4", eval_episodes=3, seed=1)
+    returns = ppo.evaluate(agent(), args, torch.device("cpu"), "t", max_envs=2)
     games = {i: [r for lives, r in e if r is not None] for i, e in ends.items()}
     # a lost life ends a learning episode as in training, but a game counts only at game over
     assert all(r is None for e in ends.values() for lives, r in e if lives > 0)
@@ -345,7 +414,7 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_resumes_to_the_request
     assert "resumed" in stdout and "iter 16/16" in stdout
     run_dirs = glob.glob(str(tmp_path / "runs/*"))
     assert len(run_dirs) == 1  # the restart found its own run, not a new one
-    final = ppo.load_checkpoint(ppo.latest_checkpoint(run_dirs[0] + "/checkpoints"), 4)
+    final = ppo.load_checkpoint(ppo.latest_checkpoint(run_dirs[0] + "/checkpoints"), agent())
     assert (final["iteration"], final["global_step"]) == (16, 2048)
     steps = [s for s, _ in scalar_tags(run_dirs[0])["charts/SPS"]]
     assert steps == list(range(128, 2049, 128))  # every iteration once, none lost, none twice
@@ -366,7 +435,9 @@ def test_a_hung_rank_makes_its_peer_fail_within_the_timeout(tmp_path):
         os.kill(hung, signal.SIGSTOP)
         stopped = time.time()
         wait_for(
-            lambda: "stopped responding" in (tmp_path / "stderr.log").read_text(),
+            lambda: re.search(
+                "stopped (responding|answering)", (tmp_path / "stderr.log").read_text()
+            ),
             6 * timeout + 30,
             "rank 0's error",
         )
@@ -405,10 +476,10 @@ def test_auto_run_name_is_a_function_of_the_configuration(tmp_path, monkeypatch)
     ppo.resolve_sizes(args, 2)
     same = ppo.Args(resume="auto", num_envs=8, threads=3, env_backend="native")
     ppo.resolve_sizes(same, 4)  # other world size, same global batch: the same run
-    other = ppo.Args(resume="auto", num_envs=8, learning_rate=1e-3)
-    ppo.resolve_sizes(other, 2)
     assert ppo.choose_run_name(args) == ppo.choose_run_name(same)
-    assert ppo.choose_run_name(args) != ppo.choose_run_name(other)
+    for flags in (dict(learning_rate=1e-3), dict(frame_stack=2), dict(exp_name="other")):
+        other = ppo.resolve_sizes(ppo.Args(resume="auto", num_envs=8, **flags), 2)
+        assert ppo.choose_run_name(args) != ppo.choose_run_name(other), flags
     assert ppo.choose_run_name(args).startswith("BreakoutNoFrameskip-v4__ppo_atari_multigpu__1__")
 
 
@@ -439,20 +510,10 @@ def test_resume_with_other_algorithm_flags_is_refused_naming_old_and_new_values(
 
 
 def test_resume_from_a_bare_model_file_is_refused_with_a_clear_message(tmp_path):
-    torch.save(ppo.Agent(4).state_dict(), tmp_path / "m.model")
-    ckpt = ppo.load_checkpoint(str(tmp_path / "m.model"), 4)
+    torch.save(agent().state_dict(), tmp_path / "m.model")
+    ckpt = ppo.load_checkpoint(str(tmp_path / "m.model"), agent())
     msg = ppo.resume_problem(ckpt, "m.model", resolved())
     assert "holds only model weights" in msg and "--eval-checkpoint" in msg
-
-
-def test_cpu_runs_never_touch_cuda_for_rng_states(monkeypatch):
-    def no_cuda():
-        raise AssertionError("CUDA touched")
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", no_cuda)
-    checkpointer = ppo.Checkpointer(ppo.Args(), "r", 0, 1, torch.device("cpu"))
-    assert checkpointer.rng_state()["cuda"] is None
 
 
 def test_evaluation_presses_fire_after_a_lost_life_as_training_does(monkeypatch):
@@ -468,11 +529,12 @@ def test_evaluation_presses_fire_after_a_lost_life_as_training_does(monkeypatch)
 
     make_env = ppo.make_env
     monkeypatch.setattr(ppo, "make_env", lambda *a: lambda: Limit(make_env(*a)()))
-    agent = ppo.Agent(4)
+    noop = agent()
     with torch.no_grad():
-        agent.actor.weight.zero_()
-        agent.actor.bias.copy_(torch.tensor([50.0, 0.0, 0.0, 0.0]))  # NOOP with p ~ 1
-    returns = ppo.evaluate(agent, "BreakoutNoFrameskip-v4", 1, torch.device("cpu"), False, "t", 1)
+        noop.actor.weight.zero_()
+        noop.actor.bias.copy_(torch.tensor([50.0, 0.0, 0.0, 0.0]))  # NOOP with p ~ 1
+    args = ppo.Args(env_id="BreakoutNoFrameskip-v4", eval_episodes=1, seed=1)
+    returns = ppo.evaluate(noop, args, torch.device("cpu"), "t")
     assert len(returns) == 1
 
 
@@ -547,7 +609,7 @@ def test_preempted_run_checkpoints_and_the_same_command_finishes_it(tmp_path):
         int(line.split()[1].split("/")[0]) for line in lines if line.startswith("iter")
     )
     saved = ppo.latest_checkpoint(glob.glob(str(tmp_path / "runs/*/checkpoints"))[0])
-    assert ppo.load_checkpoint(saved, 4)["iteration"] >= signalled_iter
+    assert ppo.load_checkpoint(saved, agent())["iteration"] >= signalled_iter
     proc = launch(tmp_path, [], *flags)
     stdout, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, (tmp_path / "stderr.log").read_text()[-2000:]
@@ -611,8 +673,10 @@ def test_a_node_joining_an_elastic_job_continues_the_run_at_the_new_world_size(t
                 proc.kill()
     out = "".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
     assert codes == [0, 0], out[-3000:]
-    assert "1 rank(s)" in out and "2 rank(s)" in out and "world size 1 -> 2" in out
+    assert "1 rank(s)" in out and "2 rank(s)" in out and "resumed" in out
     run_dirs = glob.glob(str(tmp_path / "runs/*"))
     assert len(run_dirs) == 1
+    saved = [torch.load(p, weights_only=True) for p in glob.glob(f"{run_dirs[0]}/checkpoints/*.pt")]
+    assert max(saved, key=lambda c: c["global_step"])["world_size"] == 2  # the run went on with 2
     steps = [s for s, _ in scalar_tags(run_dirs[0])["charts/SPS"]]
     assert steps == list(range(32, 641, 32))  # exactly the requested steps, none twice

@@ -1,6 +1,5 @@
 """Two gloo ranks spawned in-process: the flat all-reduce gives the single-process gradient."""
 
-import contextlib
 import copy
 
 import torch
@@ -26,12 +25,15 @@ def make_batch(seed, n):
     )  # old values
 
 
-def minibatch_gradient(agent, args, buckets, n_params, batch, inds, world_size):
-    autocast, scaler = ppo.precision(args, torch.device("cpu"))
-    timer = contextlib.nullcontext()
-    ppo.minibatch_gradient(
-        agent, args, buckets, n_params, batch, inds, world_size, autocast, scaler, timer
-    )
+def minibatch_gradient(agent, args, buckets, batch, inds, world_size):
+    """The trainer's minibatch step: loss and backward, then the all-reduce's wait."""
+    args = copy.copy(args)
+    args.world_size = world_size  # as resolve_sizes sets it
+    cpu = torch.device("cpu")
+    autocast, scaler = ppo.precision(args, cpu)
+    coef = ppo.loss_coefficients(args, cpu)
+    ppo.minibatch_gradient(agent, args, coef, batch, inds, buckets, autocast, scaler)
+    buckets.wait()
 
 
 class LaunchCount(ppo.GradBuckets):
@@ -48,9 +50,9 @@ def gradient(agent, args, batch, world_size, host=None):
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
     buckets = LaunchCount(params, flat, args.bucket_mb, world_size, args.allreduce_fp16, host)
     inds = torch.arange(len(batch[0]))
-    minibatch_gradient(agent, args, buckets, n_params, batch, inds, world_size)
+    minibatch_gradient(agent, args, buckets, batch, inds, world_size)
     assert ppo.grads_in_buffer(params, flat)  # the backward passes wrote into the views
-    return flat[:n_params].clone(), flat[n_params:].clone(), buckets
+    return flat[:n_params].clone(), buckets.stats.clone(), buckets
 
 
 def updates(agent, args, rank, world_size):
@@ -59,22 +61,21 @@ def updates(agent, args, rank, world_size):
     params = list(agent.parameters())
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
     buckets = ppo.GradBuckets(params, flat, args.bucket_mb, world_size)
-    n_params = flat.numel() - len(ppo.LOSS_STATS)
     kls = []
     for update in range(3):
         batch = make_batch(1000 * update + rank, LOCAL)
-        minibatch_gradient(agent, args, buckets, n_params, batch, torch.arange(LOCAL), world_size)
+        minibatch_gradient(agent, args, buckets, batch, torch.arange(LOCAL), world_size)
         nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         opt.step()
         # what the target-kl check reads on this rank
-        kls.append(flat[n_params + ppo.LOSS_STATS.index("approx_kl")].item())
+        kls.append(buckets.stats[ppo.LOSS_STATS.index("approx_kl")].item())
     return nn.utils.parameters_to_vector(agent.parameters()).detach().clone(), kls
 
 
 def worker(rank, world_size, store, results):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     torch.manual_seed(0)
-    agent = ppo.Agent(N_ACTIONS)  # same seed on both ranks: identical replicas
+    agent = ppo.Agent((4, 84, 84), N_ACTIONS)  # same seed on both ranks: identical replicas
     args = ppo.Args(grad_accum=1)
     args.minibatch_size = LOCAL * world_size  # as resolve_sizes sets it
     union = make_batch(123, LOCAL * world_size)

@@ -14,12 +14,13 @@ import ppo_atari_multigpu as trainer  # noqa: E402  (also registers the ALE envs
 
 BREAKOUT = "BreakoutNoFrameskip-v4"
 SAME_STEP = gym.vector.AutoresetMode.SAME_STEP
+FRAME_STACK = trainer.Args.frame_stack  # the default: 4
 
 
-def vector_env(env_id, num_envs):
+def vector_env(env_id, num_envs, frame_stack=FRAME_STACK):
     """Vector env built exactly as the trainer builds its own."""
     return gym.vector.SyncVectorEnv(
-        [trainer.make_env(env_id, i, False, "test") for i in range(num_envs)],
+        [trainer.make_env(env_id, i, False, "test", frame_stack) for i in range(num_envs)],
         autoreset_mode=SAME_STEP,
     )
 
@@ -56,8 +57,24 @@ def test_observations_are_uint8_stacks_of_four_84x84_frames():
         envs.close()
 
 
+def test_frame_stack_sets_how_many_of_the_latest_frames_an_observation_holds():
+    envs = [vector_env(BREAKOUT, 2, n) for n in (2, FRAME_STACK)]
+    try:
+        assert envs[0].single_observation_space.shape == (2, 84, 84)
+        obs = [e.reset(seed=[1, 2])[0] for e in envs]
+        rng = np.random.default_rng(0)
+        for _ in range(20):
+            action = rng.integers(envs[0].single_action_space.n, size=2)
+            obs = [e.step(action)[0] for e in envs]
+            assert obs[0].shape == (2, 2, 84, 84)
+            np.testing.assert_array_equal(obs[0], obs[1][:, -2:])  # the same latest frames
+    finally:
+        for e in envs:
+            e.close()
+
+
 def test_life_loss_ends_learning_episode_without_resetting_the_game():
-    env = trainer.make_env(BREAKOUT, 0, False, "test")()
+    env = trainer.make_env(BREAKOUT, 0, False, "test", FRAME_STACK)()
     try:
         ale = env.unwrapped.ale
         rng = np.random.default_rng(0)
@@ -206,7 +223,7 @@ def test_every_env_of_every_rank_gets_a_distinct_seed():
 
 @pytest.mark.parametrize("env_id", ["ALE/Breakout-v5", BREAKOUT])
 def test_v5_env_ids_skip_frames_exactly_once(env_id):
-    env = trainer.make_env(env_id, 0, False, "test")()
+    env = trainer.make_env(env_id, 0, False, "test", FRAME_STACK)()
     try:
         assert env.unwrapped._frameskip == 1, "the emulator must not skip frames itself"
         env.reset(seed=0)

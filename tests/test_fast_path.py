@@ -1,6 +1,5 @@
 """The optimized default update path against the straightforward computation (CPU)."""
 
-import contextlib
 import copy
 import os
 import re
@@ -31,6 +30,11 @@ def data(n=64, seed=0):
 
 
 LR = 2.5e-4
+CPU = torch.device("cpu")
+
+
+def new_agent(num_actions=4):
+    return ppo.Agent((4, 84, 84), num_actions)
 
 
 def flat_grad(params):
@@ -42,12 +46,13 @@ def straightforward(updates, args, grads=None):
     """CleanRL's way: float observations, fresh .grads, optimizer.zero_grad(), per-tensor Adam.
     `grads`: a list that gets each update's gradient before the clip."""
     torch.manual_seed(0)
-    agent = ppo.Agent(4)
+    agent = new_agent()
     opt = torch.optim.Adam(agent.parameters(), lr=LR, eps=1e-5)
     for u in range(updates):
         obs, act, logp, adv, ret, val = data(seed=u)
         adv = ppo.normalize_advantages(adv, 1)
-        loss, _ = ppo.ppo_loss(agent, args, obs.float(), act, logp, adv, ret, val)
+        coef = ppo.loss_coefficients(args, CPU)
+        loss, _ = ppo.ppo_loss(agent, args, coef, obs.float(), act, logp, adv, ret, val)
         opt.zero_grad()
         loss.backward()
         if grads is not None:
@@ -60,29 +65,19 @@ def straightforward(updates, args, grads=None):
 def optimized(updates, args, grads=None, agent=None):
     """The trainer's path: uint8 observations, grads as views of one flat buffer, foreach Adam."""
     torch.manual_seed(0)
-    agent = agent or ppo.speed_up(ppo.Agent(4), args)
+    agent = agent or ppo.speed_up(new_agent(), args)
     params = list(agent.parameters())
     kernel = {"fused": True} if args.compile else {"foreach": True}  # as the trainer
     opt = torch.optim.Adam(params, lr=LR, eps=1e-5, **kernel)
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
     buckets = ppo.GradBuckets(params, flat, args.bucket_mb, 1)
-    n_params = flat.numel() - len(ppo.LOSS_STATS)
-    autocast, scaler = ppo.precision(args, torch.device("cpu"))
+    autocast, scaler = ppo.precision(args, CPU)
+    coef = ppo.loss_coefficients(args, CPU)
     for u in range(updates):
         batch = data(seed=u)
         inds = torch.arange(len(batch[0]))
-        ppo.minibatch_gradient(
-            agent,
-            args,
-            buckets,
-            n_params,
-            batch,
-            inds,
-            1,
-            autocast,
-            scaler,
-            contextlib.nullcontext(),
-        )
+        ppo.minibatch_gradient(agent, args, coef, batch, inds, buckets, autocast, scaler)
+        buckets.wait()  # one rank: nothing to all-reduce
         if grads is not None:
             grads.append(flat_grad(params))
         scaler.unscale_(opt)
@@ -93,7 +88,7 @@ def optimized(updates, args, grads=None, agent=None):
 
 
 def upload(array):
-    return ppo.upload(array, torch.device("cpu"))
+    return torch.as_tensor(array, device=CPU)
 
 
 def gradient(batch, inds, speed_up=True):
@@ -101,14 +96,14 @@ def gradient(batch, inds, speed_up=True):
     then the loss statistics. speed_up=False: the channels-last model without speed_up's hook."""
     args = ppo.Args()
     torch.manual_seed(0)
-    agent = ppo.Agent(4)
+    agent = new_agent()
     agent = ppo.speed_up(agent, args) if speed_up else agent.to(memory_format=torch.channels_last)
     flat = ppo.flat_grad_buffer(list(agent.parameters()), len(ppo.LOSS_STATS))
     buckets = ppo.GradBuckets(list(agent.parameters()), flat, args.bucket_mb, 1)
-    n_params = flat.numel() - len(ppo.LOSS_STATS)
-    autocast, scaler = ppo.precision(args, torch.device("cpu"))
-    timer = contextlib.nullcontext()
-    ppo.minibatch_gradient(agent, args, buckets, n_params, batch, inds, 1, autocast, scaler, timer)
+    autocast, scaler = ppo.precision(args, CPU)
+    coef = ppo.loss_coefficients(args, CPU)
+    ppo.minibatch_gradient(agent, args, coef, batch, inds, buckets, autocast, scaler)
+    buckets.wait()
     return flat.clone()
 
 
@@ -138,7 +133,7 @@ def test_channels_last_update_differs_from_straightforward_only_by_rounding():
 
 
 def test_losing_the_gradient_views_is_detected():
-    agent = ppo.Agent(4)
+    agent = new_agent()
     params = list(agent.parameters())
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
     assert ppo.grads_in_buffer(params, flat)
@@ -184,7 +179,7 @@ def test_compiled_run_trains_and_saves_a_checkpoint_a_plain_agent_loads(
     report = r"^--compile: ~-?\d+ s compiling, paid once \(iteration 1 took [\d.]+ s, iteration 2 "
     assert len(re.findall(report, out.stdout, re.M)) == 1, out.stdout
     state = torch.load(tmp_path / "runs/c/ppo_atari_multigpu.model")
-    ppo.Agent(4).load_state_dict(
+    new_agent().load_state_dict(
         state
     )  # same keys as an uncompiled agent: checkpoints stay portable
 
@@ -202,7 +197,7 @@ def test_compile_keeps_one_kernel_cache_per_cpu_capability_and_leaves_a_users_ow
             monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         else:
             monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
-        ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True))
+        ppo.speed_up(new_agent(), ppo.Args(compile=True))
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == after
 
 
@@ -308,47 +303,60 @@ def test_the_nchw_relu_before_flatten_leaves_the_gradient_bit_identical():
     assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
 
 
+def test_the_fast_path_finds_its_layers_by_role_and_says_once_what_a_network_lacks(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    network = new_agent().network  # nature_cnn: ..., conv3, ReLU, Flatten, fc, ReLU
+    flatten, last_activation = ppo.network_roles(network)
+    assert flatten is network[6] and last_activation is network[5]
+    said = []
+    ppo.speed_up(new_agent(), ppo.Args(compile=True), overlap=True, say=said.append)
+    assert said == []  # nature_cnn fits every trick
+    # an encoder whose Flatten follows a layer with weights, and one without a Flatten
+    no_activation = new_agent()
+    no_activation.network = nn.Sequential(
+        nn.Conv2d(4, 8, 8, stride=4), nn.Flatten(), nn.Linear(8 * 20 * 20, 512)
+    )
+    assert ppo.network_roles(no_activation.network)[1] is None
+    ppo.speed_up(no_activation, ppo.Args(), say=said.append)
+    no_flatten = new_agent()
+    no_flatten.network = nn.Sequential(nn.Conv2d(4, 8, 84), nn.ReLU())  # never run here
+    assert ppo.network_roles(no_flatten.network) == (None, None)
+    ppo.speed_up(no_flatten, ppo.Args(compile=True), overlap=True, say=said.append)
+    assert len(said) == 2 and all(line.startswith("fast path: ") for line in said)
+    assert "no parameter-free layer just before nn.Flatten" in said[0]
+    assert "no parameter-free layer" in said[1] and "no nn.Flatten" in said[1]
+
+
 def test_frames_are_scaled_to_exactly_cleanrls_float_division_for_every_byte_value():
     frames = torch.arange(256, dtype=torch.uint8).repeat(4 * 84 * 84 // 256 + 1)
     frames = frames[: 4 * 84 * 84].view(1, 4, 84, 84).repeat(2, 1, 1, 1)
     for channels_last in (False, True):
         torch.manual_seed(0)
-        agent = ppo.speed_up(ppo.Agent(4), ppo.Args(channels_last=channels_last))
+        agent = ppo.speed_up(new_agent(), ppo.Args(channels_last=channels_last))
         with torch.no_grad():
             expected = agent.network(frames.float() / 255.0)
-            assert torch.equal(agent.hidden(frames), expected)
-            assert torch.equal(agent.hidden(frames.float()), expected)
+            assert torch.equal(agent.features(frames), expected)
+            assert torch.equal(agent.features(frames.float()), expected)
 
 
 def test_frames_under_amp_reach_the_first_conv_as_the_autocast_cast_of_the_float_division():
-    # under --amp, hidden() converts bytes straight to the autocast dtype: the first conv must see
+    # under --amp, features() converts bytes straight to the autocast dtype: the first conv must see
     # exactly what autocast makes of x.float() / 255 (hence every number downstream is unchanged)
     frames = torch.arange(256, dtype=torch.uint8).repeat(4 * 84 * 84 // 256 + 1)
     frames = frames[: 4 * 84 * 84].view(1, 4, 84, 84).repeat(2, 1, 1, 1)
     for dtype in (torch.bfloat16, torch.float16):
         torch.manual_seed(0)
-        agent = ppo.speed_up(ppo.Agent(4), ppo.Args())
+        agent = ppo.speed_up(new_agent(), ppo.Args())
         seen = []
         agent.network[0].register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0]))
         with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
-            out = agent.hidden(frames)
+            out = agent.features(frames)
             expected = agent.network(frames.float() / 255.0)
         assert seen[0].dtype == dtype and seen[1].dtype == torch.float32
         assert torch.equal(seen[0], (frames.float() / 255.0).to(dtype))
         assert torch.equal(out, expected) and out.abs().sum() > 0
-
-
-def test_the_rollout_step_without_entropy_draws_the_same_actions_log_probs_and_values():
-    torch.manual_seed(0)
-    agent = ppo.speed_up(ppo.Agent(6), ppo.Args())
-    obs = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8)
-    with torch.no_grad():
-        torch.manual_seed(1)
-        action, logprob, _, value = agent.get_action_and_value(obs)
-        torch.manual_seed(1)
-        same = agent.act(obs)
-    for a, b in zip((action, logprob, value), same):
-        assert torch.equal(a, b)
 
 
 def test_one_step_upload_gives_the_storage_the_values_of_separate_uploads_with_casts():
@@ -376,23 +384,24 @@ def test_compiled_loss_and_policy_step_are_one_graph_each_equal_eager_and_never_
     eager_grads, grads = [], []
     expected = optimized(3, ppo.Args(), eager_grads)
     torch.manual_seed(0)
-    agent = ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True))
+    agent = ppo.speed_up(new_agent(), ppo.Args(compile=True))
     start = copy.deepcopy(agent.state_dict())
     frames = torch.randint(0, 256, (4, 4, 84, 84), dtype=torch.uint8)
     torch._dynamo.reset()  # no cache entries and no counts from earlier tests
     counters.clear()
     with torch.no_grad():
-        agent.act(frames)  # warm-up: the policy step's graph
+        agent.compiled_policy(frames)  # warm-up: the policy step's graph
     optimized(1, ppo.Args(compile=True), agent=agent)  # warm-up: the loss, forward and backward
     # the whole loss (network, frame conversion, statistics) is one compiled frame and one graph,
     # the policy step another: two graphs, no graph break
-    assert [len(cache_entries(f.__code__)) for f in (ppo.ppo_loss, ppo.Agent.act)] == [1, 1]
+    policy_step = ppo.Agent.get_action_and_value
+    assert [len(cache_entries(f.__code__)) for f in (ppo.ppo_loss, policy_step)] == [1, 1]
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], counters
     agent.load_state_dict(start)  # in place: the same parameters, the eager run's start
     with torch.compiler.set_stance("fail_on_recompile"):  # raises if anything compiles again
         actual = optimized(3, ppo.Args(compile=True), grads, agent=agent)
         with torch.no_grad():
-            action, logprob, value = agent.act(frames)
+            action, logprob, _, value = agent.compiled_policy(frames)
     # fused kernels sum in another order: each gradient within 1e-4 of its largest entry
     for got, want in zip(grads, eager_grads):
         assert_equal_to_rounding(got, want, rel=1e-4)
@@ -414,7 +423,7 @@ def test_compiled_loss_with_several_ranks_frees_fc_gradient_before_the_conv_back
     optimized(2, ppo.Args(), eager_grads)
     torch._dynamo.reset()  # dynamo does not guard on module hooks: no graph of another agent
     torch.manual_seed(0)
-    agent = ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True), overlap=True)
+    agent = ppo.speed_up(new_agent(), ppo.Args(compile=True), overlap=True)
     conv1, fc = agent.network[0].weight, agent.network[7].weight
     conv1_done = []  # at each fc gradient: is conv1's already in the buffer?
     fc.register_post_accumulate_grad_hook(lambda _: conv1_done.append(bool(conv1.grad.any())))
@@ -433,5 +442,5 @@ def test_policy_step_compiles_in_fp32_and_stays_eager_under_amp_on_a_cpu(monkeyp
     # under --amp autocast casts the weights once per rollout; a compiled step, on every call
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
     for amp, compiled in (("none", True), ("bf16", False), ("fp16", False)):
-        agent = ppo.speed_up(ppo.Agent(4), ppo.Args(compile=True, amp=amp))
-        assert ("act" in vars(agent)) == compiled and "compiled_loss" in vars(agent)
+        agent = ppo.speed_up(new_agent(), ppo.Args(compile=True, amp=amp))
+        assert ("compiled_policy" in vars(agent)) == compiled and "compiled_loss" in vars(agent)

@@ -70,6 +70,7 @@ def test_every_rank_reaches_the_same_backend():
         ({"WORLD_SIZE": "2"}, ["WORLD_SIZE=2 is set but RANK is not", "torchrun"]),
         ({"OMPI_COMM_WORLD_SIZE": "4"}, ["MPI launcher (OMPI_COMM_WORLD_SIZE=4)", "torchrun"]),
         ({"PMI_SIZE": "2"}, ["MPI launcher (PMI_SIZE=2)"]),
+        ({"SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, ["(SLURM_NTASKS=2)", "torchrun"]),
     ],
 )
 def test_launches_that_would_train_n_separate_copies_are_refused(env, words):
@@ -83,6 +84,9 @@ def test_plain_and_torchrun_launches_pass_the_launch_check():
     ppo.check_launch({})
     ppo.check_launch({"WORLD_SIZE": "1"})
     ppo.check_launch({"RANK": "1", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"})
+    ppo.check_launch({"SLURM_NTASKS": "1"})  # one task: nothing runs twice
+    ppo.check_launch({"SLURM_NTASKS": "4"})  # a batch script's own python (no srun step): one run
+    ppo.check_launch({"RANK": "0", "WORLD_SIZE": "2", "SLURM_NTASKS": "2"})  # torchrun under srun
 
 
 @pytest.mark.parametrize(
@@ -155,11 +159,18 @@ def test_no_bf16_warning_without_bf16_on_the_cpu_or_where_it_is_native(monkeypat
 def test_cuda_runs_give_torch_one_thread_and_the_cores_to_the_env_groups(monkeypatch):
     monkeypatch.setattr(ppo.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert ppo.thread_counts(ppo.Args(), cpu, 2) == (8, 8)  # CPU: shared, as before
-    assert ppo.thread_counts(ppo.Args(threads=3), cpu, 2) == (3, 3)
-    assert ppo.thread_counts(ppo.Args(), cuda, 1) == (1, 16)
-    assert ppo.thread_counts(ppo.Args(async_envs=True), cuda, 2) == (1, 4)  # 8 cores, 2 groups
-    assert ppo.thread_counts(ppo.Args(threads=2), cuda, 16) == (2, 1)
+
+    def counts(device, local_world_size, **flags):  # thread_counts runs after the sizes resolve
+        args = ppo.resolve_sizes(ppo.Args(**flags), local_world_size)
+        return ppo.thread_counts(args, device, local_world_size)
+
+    assert counts(cpu, 2) == (8, 8)  # CPU: shared, as before
+    assert counts(cpu, 2, threads=3) == (3, 3)
+    assert counts(cuda, 1, local_num_envs=32) == (1, 15)  # the cores torch's thread leaves
+    assert counts(cuda, 2, local_num_envs=32, async_envs=True) == (1, 3)  # (8 - 1) // 2 groups
+    assert counts(cuda, 16, threads=2) == (2, 1)  # at least one
+    assert counts(cuda, 1) == (1, 8)  # at most one thread per env: 8 envs
+    assert counts(cuda, 1, local_num_envs=4, async_envs=True) == (1, 2)  # 2 envs per group
 
 
 def test_compile_without_a_compiler_and_cuda_graphs_without_a_gpu_are_refused(monkeypatch):

@@ -10,15 +10,19 @@ import ppo_atari_multigpu as ppo
 from ppo_atari_multigpu import NativeVectorEnv
 
 SAME_STEP = gym.vector.AutoresetMode.SAME_STEP
+FRAME_STACK = ppo.Args.frame_stack  # the default: 4
 
 
-def make_sync(env_id, n):
-    return gym.vector.SyncVectorEnv(
-        [ppo.make_env(env_id, i, False, "test") for i in range(n)], autoreset_mode=SAME_STEP
-    )
+def make_sync(env_id, n, frame_stack=FRAME_STACK):
+    thunks = [ppo.make_env(env_id, i, False, "test", frame_stack) for i in range(n)]
+    return gym.vector.SyncVectorEnv(thunks, autoreset_mode=SAME_STEP)
 
 
-BACKENDS = {"sync": make_sync, "native": lambda env_id, n: NativeVectorEnv(env_id, n, 1)}
+def make_native(env_id, n, frame_stack=FRAME_STACK):
+    return NativeVectorEnv(env_id, n, 1, frame_stack)
+
+
+BACKENDS = {"sync": make_sync, "native": make_native}
 
 
 def games(infos):
@@ -36,7 +40,7 @@ def test_backends_agree_on_spaces_dtypes_and_clipped_rewards():
     n, rng = 2, np.random.default_rng(0)
     sync, nat = (
         make_sync("SpaceInvadersNoFrameskip-v4", n),
-        NativeVectorEnv("SpaceInvadersNoFrameskip-v4", n, 1),
+        make_native("SpaceInvadersNoFrameskip-v4", n),
     )
     assert nat.single_observation_space == sync.single_observation_space
     assert (
@@ -109,7 +113,7 @@ def test_sync_backend_presses_fire_after_a_lost_life():
 def test_native_backend_leaves_fire_after_a_lost_life_to_the_agent():
     """The native backend executes only the agent's actions: with NOOP only, the ball lost once
     never comes back; one FIRE from the agent relaunches it and the next life is lost."""
-    env = NativeVectorEnv("BreakoutNoFrameskip-v4", 1, 1)
+    env = make_native("BreakoutNoFrameskip-v4", 1)
     env.reset(seed=[9])  # ale-py presses FIRE at the game's start: the first ball is in play
     assert noop_life_losses(env, 1000) == (1, 0)  # after that only the first life is lost
     assert noop_life_losses(env, 1000, first_action=1) == (1, 0)  # FIRE: one more life lost
@@ -120,7 +124,7 @@ def test_native_game_return_is_unclipped_sum_over_all_lives():
     """Replay the agent's actions in independent raw AtariVectorEnvs (NextStep autoreset, no
     life-loss signal, unclipped rewards)."""
     n, seeds = 2, [11, 12]
-    env = NativeVectorEnv("SpaceInvadersNoFrameskip-v4", n, 1)
+    env = make_native("SpaceInvadersNoFrameskip-v4", n)
     env.reset(seed=seeds)
     rng, executed, got, lives_lost = np.random.default_rng(1), [[], []], [], 0
     while len({i for i, _, _ in got}) < n:
@@ -229,7 +233,7 @@ def test_native_truncation_gives_final_obs_and_episode():
         entry_point="ale_py.env:AtariEnv",
         kwargs={**gym.spec("BreakoutNoFrameskip-v4").kwargs, "max_num_frames_per_episode": 400},
     )
-    env = NativeVectorEnv("BreakoutShortNoFrameskip-v4", 2, 1)
+    env = make_native("BreakoutShortNoFrameskip-v4", 2)
     obs, _ = env.reset(seed=[7, 8])
     for _ in range(200):
         prev = obs
@@ -243,6 +247,25 @@ def test_native_truncation_gives_final_obs_and_episode():
     assert final.shape == (len(cut), 4, 84, 84) and final.dtype == np.uint8
     assert (final[:, :3] == prev[cut, 1:]).all() and (obs[cut] == obs[cut, :1]).all()
     env.close()
+
+
+def test_frame_stack_gives_both_backends_the_same_space_and_a_sliding_window_of_frames():
+    sync, nat = (
+        make_sync("BreakoutNoFrameskip-v4", 2, 2),
+        make_native("BreakoutNoFrameskip-v4", 2, 2),
+    )
+    assert nat.single_observation_space == sync.single_observation_space
+    assert nat.single_observation_space.shape == (2, 84, 84)
+    prev, _ = nat.reset(seed=[3, 4])
+    assert prev.shape == (2, 2, 84, 84) and (prev[:, 0] == prev[:, 1]).all()  # a new game
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        obs, _, term, trunc, _ = nat.step(rng.integers(0, 4, 2))
+        assert obs.shape == (2, 2, 84, 84)
+        going_on = ~(term | trunc)
+        assert (obs[going_on, 0] == prev[going_on, 1]).all()  # the older frame moved down
+        prev = obs
+    sync.close(), nat.close()
 
 
 @pytest.mark.parametrize("async_envs", [False, True])
@@ -264,12 +287,17 @@ def test_native_rollout_stores_the_executed_action_and_its_log_prob(async_envs):
         send = env.env.send
         env.env.send = lambda a, send=send: (sent.append(np.array(a)), send(a))[1]
     torch.manual_seed(0)
-    agent = ppo.Agent(envs.single_action_space.n)
+    agent = ppo.Agent(envs.single_observation_space.shape, envs.single_action_space.n)
+    policy = agent.get_action_and_value  # the rollout's step, as MAIN takes it
     obs, lives_lost = torch.as_tensor(envs.reset([0, 1, 2, 3])), 0
     with torch.no_grad():
         for _ in range(600):
             sent.clear()
-            (action, logprob, _), env_out = envs.step(agent.act, obs)
+            if async_envs:  # as MAIN: the policy acts for one group while the other steps
+                (action, logprob, _, _), env_out = envs.act_and_step(policy, obs)
+            else:
+                action, logprob, _, _ = policy(obs)
+                env_out = envs.step(action.cpu().numpy())
             assert action.tolist() == np.concatenate(sent).tolist()  # stored = executed
             _, expected, _, _ = agent.get_action_and_value(obs, action)
             # half batches (--async-envs) take other kernels: equal to rounding

@@ -13,7 +13,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def file_map():
-    start = README.index("## Reading and changing the file")
+    start = README.index("The map, in order")
     return README[start : README.index("To delete a feature", start)]
 
 
