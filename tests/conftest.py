@@ -1,3 +1,4 @@
+import glob
 import os
 import socket
 import subprocess
@@ -75,3 +76,18 @@ def scalar_tags(run_dir):
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def worker_pids(launcher_pid):
+    """{RANK: pid} of torchrun's worker processes: its children, by the RANK in their
+    environment (read from /proc)."""
+    found = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            pid, ppid = int(stat.split("/")[2]), int(open(stat).read().rsplit(")", 1)[1].split()[1])
+            if ppid == launcher_pid:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                found[int([e for e in env if e.startswith(b"RANK=")][0][5:])] = pid
+        except (OSError, IndexError, ValueError):
+            pass
+    return found

@@ -14,7 +14,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import SCRIPT, TINY, free_port, scalar_tags, torchrun
+from conftest import SCRIPT, TINY, free_port, scalar_tags, torchrun, worker_pids
 
 import ppo_atari_multigpu as ppo
 
@@ -356,20 +356,6 @@ def test_mixed_precision_run_trains_checkpoints_and_resumes(run_trainer, tmp_pat
     assert ("scale" in final["scaler"]) == (amp == "fp16")
 
 
-def workers(launcher_pid):
-    """PIDs of torchrun's worker processes, by the RANK in their environment."""
-    found = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            pid, ppid = int(stat.split("/")[2]), int(open(stat).read().rsplit(")", 1)[1].split()[1])
-            if ppid == launcher_pid:
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                found[int([e for e in env if e.startswith(b"RANK=")][0][5:])] = pid
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
-
-
 def launch(tmp_path, torchrun_flags, *flags):
     log = open(tmp_path / "stderr.log", "w")
     cmd = [*torchrun(2, *torchrun_flags), *TINY, *map(str, flags)]
@@ -404,7 +390,7 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_resumes_to_the_request
             "a first checkpoint",
             proc,
         )
-        os.kill(workers(proc.pid)[1], signal.SIGKILL)
+        os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
         stdout, _ = proc.communicate(timeout=240)
     finally:
         proc.kill()
@@ -431,7 +417,7 @@ def test_a_hung_rank_makes_its_peer_fail_within_the_timeout(tmp_path):
         while not lines[-1].startswith("iter 1/"):  # both ranks passed an iteration's collectives
             assert lines[-1], "".join(lines) + (tmp_path / "stderr.log").read_text()[-2000:]
             lines.append(proc.stdout.readline())
-        hung = workers(proc.pid)[1]
+        hung = worker_pids(proc.pid)[1]
         os.kill(hung, signal.SIGSTOP)
         stopped = time.time()
         wait_for(
@@ -651,7 +637,7 @@ def test_a_node_joining_an_elastic_job_continues_the_run_at_the_new_world_size(t
     try:
         ckpts = str(tmp_path / "runs/*/checkpoints/ckpt_*.pt")
         wait_for(lambda: glob.glob(ckpts), 120, "the first node's checkpoint", first)
-        paused = workers(first.pid)[0]
+        paused = worker_pids(first.pid)[0]
         os.kill(paused, signal.SIGSTOP)
         second = subprocess.Popen(
             cmd, cwd=tmp_path, env=env, stdout=logs[1], stderr=subprocess.STDOUT

@@ -21,7 +21,7 @@ import time
 
 import pytest
 import torch
-from conftest import PG_TIMEOUT, SCRIPT, TINY, free_port, scalar_tags, torchrun
+from conftest import PG_TIMEOUT, SCRIPT, TINY, free_port, scalar_tags, torchrun, worker_pids
 
 import ppo_atari_multigpu as ppo
 
@@ -362,22 +362,6 @@ def marked(tag):
     return found
 
 
-def children_by_rank(launcher_pid):
-    """{RANK: pid} of torchrun's worker processes: its children, by the RANK in their
-    environment (/proc: no psutil here)."""
-    found = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            pid = int(stat.split("/")[2])
-            ppid = int(open(stat).read().rsplit(")", 1)[1].split()[1])
-            if ppid == launcher_pid:
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                found[int([e for e in env if e.startswith(b"RANK=")][0][5:])] = pid
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
-
-
 def gone(pid):
     return ppo.proc_state(pid) in (None, "Z", "X")
 
@@ -402,7 +386,7 @@ class Launch:
 
     def workers(self, *ranks):
         """{rank: pid} of this agent's workers, which must be `ranks`."""
-        found = children_by_rank(self.proc.pid)
+        found = worker_pids(self.proc.pid)
         assert sorted(found) == sorted(ranks), (found, self.err.text[-3000:])
         return found
 
