@@ -826,6 +826,10 @@ def one_line(exc, limit):
     return " ".join(str(exc).split())[:limit]
 
 
+def warn(msg):
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
 def fail(msg, rank, world_size, code=2):
     """One line naming the rank, then exit 2: for errors every rank detects alike."""
     where = f" [rank {rank}]" if world_size > 1 else ""
