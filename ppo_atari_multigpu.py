@@ -6,9 +6,7 @@
 # the same step and the weights stay bit-identical across ranks.
 #
 # Layout: the CORE is CleanRL's PPO in CleanRL's order (Args, make_env, Agent, GAE, loss, the
-# flat-gradient all-reduce). The EXTRAS follow, one labelled block each (FLAGS, LAUNCH, FAILURES,
-# CHECKPOINTS, PREEMPTION, EVALUATION, ENV BACKENDS, FAST PATH AND MIXED PRECISION, MONITORING,
-# BALANCE, RUN-TIME CHECKS). MAIN shows the loop: rollout, GAE, update, logging.
+# flat-gradient all-reduce); the EXTRAS follow, one labelled block each; MAIN shows the loop.
 # Common edits are one local change each (README "Changing the file"): the encoder (nature_cnn),
 # --frame-stack, a loss term (ppo_loss and LOSS_STATS), a flag (Args), a schedule (MAIN).
 import atexit
@@ -247,10 +245,9 @@ class FireReset(gym.Wrapper):
 
 def make_env(env_id, idx, capture_video, run_name, frame_stack):
     def thunk():
-        # v5 ids skip 4 frames inside the emulator; frames must be skipped once, here below
+        # v5 ids skip frames in the emulator: skip them once, below. Grayscale: AtariPreprocessing
+        # reads the emulator's screen itself, and the env's own frame is cheaper than RGB
         kwargs = {"frameskip": 1} if gym.spec(env_id).kwargs.get("frameskip", 1) != 1 else {}
-        # AtariPreprocessing reads its frames from the emulator itself and drops the one the env
-        # returns on every raw frame: a grayscale one is cheaper to make than RGB (same pixels)
         kwargs["obs_type"] = "grayscale"
         if capture_video and idx == 0:
             env = gym.make(env_id, render_mode="rgb_array", **kwargs)
@@ -384,10 +381,10 @@ def normalize_advantages(adv, world_size):
     return (adv - mean.float()) / (std.float() + 1e-8)
 
 
-# The loss statistics, in the order they travel at the end of the flat gradient buffer; their
-# names are also their TensorBoard tags under losses/. Each must be a per-sample MEAN over the
-# (micro-)batch: weighted by the batch's share and summed over micro-batches and ranks, it
-# becomes the global minibatch's mean. A new one: add its name here and set it in ppo_loss.
+# The loss statistics, as they travel at the end of the flat gradient buffer, and their TensorBoard
+# tags under losses/. Each must be a per-sample MEAN over the (micro-)batch: weighted by its share,
+# summed over micro-batches and ranks, it is the global minibatch's mean. A new one: name it here,
+# set it in ppo_loss.
 LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
 
 
@@ -466,12 +463,10 @@ def collective(fn, tensor, **kwargs):
 
 
 class GradBuckets:
-    """The flat buffer's all-reduce, overlapped with backward: contiguous views cut in the order
-    backward finishes them (heads first, conv1 last), each launched (async) once its gradients
-    are final, in bucket order on every rank. The loss statistics end the buffer and ride in the
-    first bucket. With 2 ranks each element is one sum a + b, so the numbers equal one
-    all-reduce of the whole buffer (tested). fp16: gradient buckets travel averaged, as fp16.
-    host: through (pinned) host copies, as `collective` does. `clock` times the waits."""
+    """The flat buffer's all-reduce overlapped with backward: views cut in the order backward
+    finishes them (heads first), each launched async once its gradients are final, in the same
+    order on every rank; the LOSS_STATS ride in the first. fp16: gradients travel averaged, as
+    fp16. host: through (pinned) host copies, as `collective`. `clock` times the waits."""
 
     def __init__(self, params, flat, bucket_mb, world_size, fp16=False, host=None, clock=None):
         self.flat, self.world_size = flat, world_size
