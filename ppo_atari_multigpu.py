@@ -1732,8 +1732,7 @@ def host_rss_gb():
 
 
 def gpu_util(device):
-    """NVML's utilization: % of its last sample period (1/6 to 1 s) with a kernel running. None
-    off CUDA, or without NVIDIA's management library (pynvml) and a driver that has NVML."""
+    """NVML's % of its last sample period with a kernel running; None off CUDA or without NVML."""
     try:
         return float(torch.cuda.utilization(device)) if device.type == "cuda" else None
     except Exception:
@@ -1741,9 +1740,7 @@ def gpu_util(device):
 
 
 def rank_resources(device, utils):
-    """Host RSS; on CUDA the peak memory allocated / reserved since the last call, and the mean of
-    the GPU utilization readings `utils` (taken at the rollout's end and the update's end: one
-    alone would describe only the phase before it)."""
+    """Host RSS; on CUDA the peak GPU memory since the last call and the mean of `utils`."""
     out = {"host_rss_gb": host_rss_gb()}
     if device.type == "cuda":
         out["gpu_mem_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -1755,21 +1752,15 @@ def rank_resources(device, utils):
 
 
 def time_shares(times):
-    """Where one iteration's time went: env stepping, inference (the rest of the rollout),
-    update compute and all-reduce (waiting for slower ranks included)."""
-    total = times["rollout"] + times["update"]
-    parts = {
-        "env": times["env"],
-        "inference": times["rollout"] - times["env"],
-        "update": times["update"] - times["allreduce"],
-        "allreduce": times["allreduce"],
-    }
-    return {name: seconds / total for name, seconds in parts.items()}
+    """Where one iteration's time went (all-reduce includes waiting for slower ranks)."""
+    env, allreduce = times["env"], times["allreduce"]
+    inference, update = times["rollout"] - env, times["update"] - allreduce
+    parts = {"env": env, "inference": inference, "update": update, "allreduce": allreduce}
+    return {name: seconds / (times["rollout"] + times["update"]) for name, seconds in parts.items()}
 
 
 def busy_seconds(times):
-    """The iteration without the collectives: waiting in them makes every rank's wall time the
-    slowest one's, so only this tells the ranks' speeds apart."""
+    """The iteration without the collectives, whose waits give every rank the slowest's time."""
     return times["rollout"] + times["update"] - times["allreduce"]
 
 
@@ -1781,9 +1772,7 @@ def load_imbalance(busy):
 
 
 class Progress:
-    """Rank 0's logging of each iteration: every rank's episodes, losses and perf/* tags, and the
-    progress line at the first and last iteration and every --print-every seconds, with elapsed
-    time, ETA, SPS, recent return and the load imbalance when it matters."""
+    """Rank 0's TensorBoard tags of every rank, the progress line and the summary at the end."""
 
     def __init__(self, args: Args, start_step):
         self.args, self.start_step = args, start_step
@@ -1802,61 +1791,55 @@ class Progress:
         writer.add_scalar("charts/learning_rate", lr, global_step)
         for name, value in stats.items():
             writer.add_scalar(f"losses/{name}", value, global_step)
-        split = [r["envs"] for r in reports]
-        evs = np.array([r["explained_variance"] for r in reports])  # weighted by samples
-        ok = ~np.isnan(evs)
-        ev = np.average(evs[ok], weights=np.array(split)[ok]) if ok.any() else np.nan
+        envs, evs = np.array([[r["envs"], r["explained_variance"]] for r in reports]).T
+        ok = ~np.isnan(evs)  # weighted by samples, over the ranks that have one
+        ev = np.average(evs[ok], weights=envs[ok]) if ok.any() else np.nan
         writer.add_scalar("losses/explained_variance", ev, global_step)
         writer.add_scalar("charts/SPS", sps, global_step)
         for r, rep in enumerate(reports):
+            total = self.totals.setdefault(r, {})
             writer.add_scalar(f"perf/envs/rank{r}", rep["envs"], global_step)
             for key, seconds in rep["times"].items():
                 writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
+                total[key] = total.get(key, 0.0) + seconds
             for key, share in time_shares(rep["times"]).items():
                 writer.add_scalar(f"perf/share_{key}/rank{r}", share, global_step)
             for key, value in rep["resources"].items():
                 writer.add_scalar(f"perf/{key}/rank{r}", value, global_step)
-            total = self.totals.setdefault(r, dict.fromkeys(rep["times"], 0.0))
-            for key, seconds in rep["times"].items():
-                total[key] += seconds
-            for key, value in rep["resources"].items():
                 total[key] = max(total.get(key, 0.0), value)
         imbalance = load_imbalance([busy_seconds(rep["times"]) for rep in reports])
         writer.add_scalar("perf/imbalance", imbalance[0], global_step)
-        if len(self.iteration_seconds) < 2:  # --compile compiles in the first iteration
+        if self.args.compile and len(self.iteration_seconds) < 2:  # it compiles in iteration 1
             seconds = max(r["times"]["rollout"] + r["times"]["update"] for r in reports)
             self.iteration_seconds.append(seconds)
-            if self.args.compile and len(self.iteration_seconds) == 2:
+            if len(self.iteration_seconds) == 2:
                 first, second = self.iteration_seconds
                 print(
                     f"--compile: ~{first - second:.0f} s compiling, paid once (iteration 1 took "
                     f"{first:.1f} s, iteration 2 {second:.1f} s)",
                     flush=True,
                 )
-        line = self.line(
-            iteration, global_step, sps, self.recent_returns, self.num_episodes, imbalance
-        )
-        if line:
+        recent = self.recent_returns
+        if line := self.line(iteration, global_step, sps, recent, self.num_episodes, imbalance):
             print(line, flush=True)
 
     def line(self, iteration, global_step, sps, recent_returns, num_episodes, imbalance):
-        now, last_iteration = time.time(), iteration == self.args.num_iterations
-        first = global_step - self.start_step <= self.args.batch_size
-        if not (first or last_iteration or now - self.last >= self.args.print_every):
+        """The line at the first and last iteration and every --print-every seconds, else None."""
+        now, args = time.time(), self.args
+        first = global_step - self.start_step <= args.batch_size
+        if not (first or iteration == args.num_iterations or now - self.last >= args.print_every):
             return None
         self.last = now
         rate = (global_step - self.start_step) / max(now - self.start, 1e-9)
-        eta = (self.args.num_iterations * self.args.batch_size - global_step) / max(rate, 1e-9)
+        eta = (args.num_iterations * args.batch_size - global_step) / max(rate, 1e-9)
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "-"
-        line = (
-            f"iter {iteration}/{self.args.num_iterations} | step {global_step} | "
-            f"{clock(now - self.start)} elapsed, ETA {clock(eta)} | SPS {sps} | return "
-            f"{mean_return} (last {len(recent_returns)} of {num_episodes} episodes)"
-        )
         ratio, slow = imbalance
-        if ratio > 1.05:
-            line += f" | imbalance {ratio:.2f}: rank {slow} is slowest"
-        return line
+        slowest = f" | imbalance {ratio:.2f}: rank {slow} is slowest" if ratio > 1.05 else ""
+        return (
+            f"iter {iteration}/{args.num_iterations} | step {global_step} | "
+            f"{clock(now - self.start)} elapsed, ETA {clock(eta)} | SPS {sps} | return "
+            f"{mean_return} (last {len(recent_returns)} of {num_episodes} episodes){slowest}"
+        )
 
     def summary(self, global_step, elapsed, replicas_ok):
         """The end's lines: totals, and per-rank seconds (summed over this session) and memory."""
@@ -1877,32 +1860,25 @@ class Progress:
 
 
 class EventWriter(SummaryWriter):
-    """TensorBoard's writer, but a failed write (a full disk) never takes the run down: it warns
-    once and drops the events after it (the checkpoints decide whether the run ended well)."""
+    """A SummaryWriter whose failed write (full disk) warns once, then drops events, not the run."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        hook = threading.excepthook  # its writer thread's error comes back through safely()
+        self.failed, hook = False, threading.excepthook
 
-        def quiet(a):
+        def quiet(a):  # its writer thread's error comes back through safely()
             if type(a.thread).__name__ != "_AsyncWriterThread":
                 hook(a)
 
         threading.excepthook = quiet
 
     def safely(self, write, *args, **kwargs):
-        if getattr(self, "failed", False):
-            return
         try:
-            write(*args, **kwargs)
+            if not self.failed:
+                write(*args, **kwargs)
         except Exception as e:
             self.failed = True
-            print(
-                f"warning: TensorBoard events are no longer written: {one_line(e, 160)}; "
-                "training goes on",
-                file=sys.stderr,
-                flush=True,
-            )
+            warn(f"TensorBoard events are no longer written: {one_line(e, 160)}; training goes on")
 
     def add_scalar(self, *args, **kwargs):
         self.safely(super().add_scalar, *args, **kwargs)
@@ -1915,35 +1891,28 @@ class EventWriter(SummaryWriter):
 
 
 class CollectiveClock:
-    """`with clock:` times a block; read() returns the sum since the last read. gloo
-    blocks, so the host clock is right on CPU; NCCL calls only enqueue work, so on CUDA events
-    bracket each block and are read once per iteration: timing adds no sync per minibatch."""
+    """`with clock:` times a block; read() sums them since the last read. NCCL only enqueues, so
+    on CUDA events bracket each block, read once per iteration (no sync per minibatch)."""
 
     def __init__(self, device):
         self.cuda, self.events = device.type == "cuda", []
 
-    def __enter__(self):
-        self.mark()
-
-    def __exit__(self, *exc):
-        self.mark()
-
-    def mark(self):  # enter and exit alike: an event on CUDA, the host clock elsewhere
+    def mark(self, *exc):  # entering and leaving alike: a CUDA event, else the host clock
         if self.cuda:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[-1].record()
         else:
             self.events.append(time.perf_counter())
 
+    __enter__ = __exit__ = mark
+
     def read(self):
-        pairs = list(zip(self.events[::2], self.events[1::2]))
-        if self.cuda and pairs:
+        pairs, self.events = list(zip(self.events[::2], self.events[1::2])), []
+        if not self.cuda:
+            return sum(end - start for start, end in pairs)
+        if pairs:
             pairs[-1][1].synchronize()
-            seconds = sum(start.elapsed_time(end) for start, end in pairs) / 1000
-        else:
-            seconds = sum(end - start for start, end in pairs)
-        self.events = []
-        return seconds
+        return sum(start.elapsed_time(end) for start, end in pairs) / 1000
 
 
 def clock(seconds):
@@ -1974,23 +1943,21 @@ def print_setup(args: Args, backend, device, torch_threads, env_threads, warning
         f"{args.minibatch_size} | grad_accum {args.grad_accum} | num_iterations "
         f"{args.num_iterations}{uneven}"
     )
-    for warning in warnings_:
-        if warning:
-            print(warning)
+    for warning in filter(None, warnings_):
+        print(warning)
 
 
 # ---- BALANCE: --balance-envs moves envs from slower ranks to faster ones (README "Uneven ranks") -
-BALANCE_AT, BALANCE_FOR, BALANCE_EVERY = 1.10, 2, 3  # move when the imbalance stayed above 1.10
-# for 2 iterations (the one after a start or a move warms up), never within 3 of the last move,
-BALANCE_GAIN = 0.05  # and only for a split predicted to cut the slowest rank's time by 5%, and
-BALANCE_MEMORY = 50  # not measured to be no faster within the last 50 iterations (no flip-flop)
+BALANCE_AT = 1.10  # move envs when the imbalance stayed above this
+BALANCE_FOR = 2  # for this many iterations (the first after a start or a move warms up),
+BALANCE_EVERY = 3  # never within this many iterations of the last move,
+BALANCE_GAIN = 0.05  # only to a split predicted to cut the slowest rank's time by this much,
+BALANCE_MEMORY = 50  # not one measured no faster within this many iterations (no flip-flop)
 
 
 class Balancer:
-    """Every rank runs the same decision on the same all-gathered times, so all apply it alike
-    (no broadcast). A rank's speed is its envs over its busy seconds; the new split gives each
-    granule of envs to the rank that would finish it first. num_envs, so the global batch and
-    every minibatch, stays: only which rank plays which games changes."""
+    """Each granule of envs goes to the rank that would finish it first; num_envs stays. Every
+    rank decides alike from the same all-gathered times (no broadcast)."""
 
     def __init__(self, args: Args, world_size):
         self.enabled = args.balance_envs and world_size > 1
@@ -2018,24 +1985,22 @@ class Balancer:
         self.measured[tuple(split)] = slowest, self.iteration
         if min(load_imbalance(b)[0] for b in window) <= BALANCE_AT:
             return None
-        speed = [n / t for n, t in zip(split, seconds)]
+        speed = [n / t for n, t in zip(split, seconds)]  # envs per busy second
         new = [self.min_envs] * len(split)
         for _ in range((sum(split) - sum(new)) // self.granule):
             r = min(range(len(new)), key=lambda r: (new[r] + self.granule) / speed[r])
             new[r] += self.granule
         predicted = [n / v for n, v in zip(new, speed)]
+        goal = (1 - BALANCE_GAIN) * slowest
         was, when = self.measured.get(tuple(new), (0.0, -BALANCE_MEMORY))
-        if max(predicted) > (1 - BALANCE_GAIN) * slowest:
-            return None
-        if self.iteration - when < BALANCE_MEMORY and was > (1 - BALANCE_GAIN) * slowest:
+        if max(predicted) > goal or (self.iteration - when < BALANCE_MEMORY and was > goal):
             return None
         self.since_move = []
         return new, load_imbalance(seconds)[0], load_imbalance(predicted)[0]
 
 
 def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
-    """Apply a split on this rank: its local sizes, and new envs if its own count changed (fresh
-    games: start_rollouts gives them seeds). Returns (envs, whether they are new)."""
+    """Apply a split on this rank: local sizes, fresh envs if its count changed; (envs, new?)."""
     args.rank_envs, n = list(split), split[rank]
     args.local_num_envs, args.local_batch_size = n, n * args.num_steps
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
@@ -2047,14 +2012,12 @@ def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
 
 # ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
 def check_iteration(params, buckets, scaler, iteration, global_step, rank, world_size):
-    """Stop before non-finite numbers reach a checkpoint (the values are all-reduced, so every
-    rank reaches the same verdict; under fp16 the scaler skips inf gradients by itself), and
-    before a broken flat buffer silently stops the gradient averaging."""
-    grads = buckets.flat[: buckets.flat.numel() - len(LOSS_STATS)]
+    """Stop before NaN/inf reaches a checkpoint or a broken flat buffer stops gradient averaging."""
     where = f"at iteration {iteration}, global step {global_step}"
     if not torch.isfinite(buckets.stats).all():
         values = ", ".join(f"{k}={v:g}" for k, v in zip(LOSS_STATS, buckets.stats.tolist()))
         fail(f"non-finite loss {where}: {values}", rank, world_size)
+    grads = buckets.flat[: -len(LOSS_STATS)]  # fp16: the scaler skips inf gradients by itself
     if not scaler.is_enabled() and not torch.isfinite(grads).all():
         fail(f"non-finite gradient {where}", rank, world_size)
     if not grads_in_buffer(params, buckets.flat):
