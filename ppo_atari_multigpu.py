@@ -1732,7 +1732,8 @@ def host_rss_gb():
 
 
 def gpu_util(device):
-    """NVML's % of its last sample period with a kernel running; None off CUDA or without NVML."""
+    """NVML's % of its last sample period (1/6 to 1 s) with a kernel running. None off CUDA, or
+    without NVIDIA's management library (pynvml) and a driver that has NVML."""
     try:
         return float(torch.cuda.utilization(device)) if device.type == "cuda" else None
     except Exception:
@@ -1740,7 +1741,8 @@ def gpu_util(device):
 
 
 def rank_resources(device, utils):
-    """Host RSS; on CUDA the peak GPU memory since the last call and the mean of `utils`."""
+    """Host RSS; on CUDA the peak GPU memory since the last call and the mean of `utils` (read at
+    the rollout's and the update's end: one alone describes only the phase before it)."""
     out = {"host_rss_gb": host_rss_gb()}
     if device.type == "cuda":
         out["gpu_mem_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -1921,10 +1923,9 @@ def clock(seconds):
 
 def gather_reports(report, world_size):
     """Every rank's report of this iteration on every rank (one all_gather_object)."""
-    if world_size == 1:
-        return [report]
-    reports = [None] * world_size
-    dist.all_gather_object(reports, report)
+    reports = [report] * world_size
+    if world_size > 1:
+        dist.all_gather_object(reports, report)
     return reports
 
 
@@ -2012,7 +2013,8 @@ def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
 
 # ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
 def check_iteration(params, buckets, scaler, iteration, global_step, rank, world_size):
-    """Stop before NaN/inf reaches a checkpoint or a broken flat buffer stops gradient averaging."""
+    """Stop before NaN/inf reaches a checkpoint or a broken flat buffer stops gradient averaging
+    (the values are all-reduced: every rank reaches the same verdict)."""
     where = f"at iteration {iteration}, global step {global_step}"
     if not torch.isfinite(buckets.stats).all():
         values = ", ".join(f"{k}={v:g}" for k, v in zip(LOSS_STATS, buckets.stats.tolist()))
