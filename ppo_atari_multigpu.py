@@ -570,11 +570,11 @@ def minibatch_gradient(agent, args, coef, batch, mb_inds, buckets, autocast, sca
 
 # ---- FLAGS: derived sizes and the checks that need no process group ---------------------------
 PER_RANK = ("local_num_envs", "local_batch_size", "local_minibatch_size")  # --rank-envs: own
+LAUNCH_ONLY = ("backend", "pg_timeout", "bucket_mb", "allreduce_fp16", "balance_envs")
 
 
 def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
-    """Derive every batch size from the subset the user gave; refuse inconsistent ones. The
-    local sizes are `rank`'s (they differ between ranks only with --rank-envs)."""
+    """Derive all batch sizes (local ones: `rank`'s) from those given; refuse inconsistent ones."""
 
     def need(ok, msg):
         if not ok:
@@ -612,17 +612,16 @@ def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
     msg = f"--local-batch-size {lbs} != --local-num-envs {envs} x --num-steps {steps}"
     need(lbs is None or lbs == envs * steps, msg)
     lbs = envs * steps
-    if args.local_minibatch_size is not None:
-        mbs, n_mb = args.local_minibatch_size, args.num_minibatches
-        need(
-            lbs % mbs == 0, f"--local-minibatch-size {mbs} does not divide --local-batch-size {lbs}"
-        )
-        msg = f"--num-minibatches {n_mb} x --local-minibatch-size {mbs} != --local-batch-size {lbs}"
-        need(n_mb is None or n_mb * mbs == lbs, msg)
-        n_mb = lbs // mbs
-    else:
-        n_mb = args.num_minibatches if args.num_minibatches is not None else 4
+    mbs, n_mb = args.local_minibatch_size, args.num_minibatches
+    if mbs is None:
+        n_mb = n_mb or 4
         need(lbs % n_mb == 0, f"--num-minibatches {n_mb} does not divide --local-batch-size {lbs}")
+    else:
+        msg = f"--local-minibatch-size {mbs} does not divide --local-batch-size {lbs}"
+        need(lbs % mbs == 0, msg)
+        msg = f"--num-minibatches {n_mb} x --local-minibatch-size {mbs} != --local-batch-size {lbs}"
+        need(n_mb in (None, lbs // mbs), msg)
+        n_mb = lbs // mbs
     mbs, k = lbs // n_mb, args.grad_accum
     need(mbs % k == 0, f"--grad-accum {k} does not divide --local-minibatch-size {mbs}")
     total = sum(split) if split else envs * world_size
@@ -648,15 +647,12 @@ def check_env_id(env_id: str):
 
 
 def check_args(args: Args, world_size: int, rank: int = 0):
-    """Resolve the sizes and refuse bad input with one ValueError, identically on every rank.
-    Returns a warning line for each flag given that has no effect here."""
+    """Resolve sizes, refuse bad input alike on every rank; return warnings for idle flags."""
     resolve_sizes(args, world_size, rank)
     check_env_id(args.env_id)
     if args.async_envs and min(args.rank_envs or [args.local_num_envs]) < 2:
-        raise ValueError(
-            "--async-envs splits each rank's envs into two groups: needs >= 2 on every rank, "
-            f"got {args.rank_envs or args.local_num_envs}"
-        )
+        msg = "--async-envs splits each rank's envs into two groups: needs >= 2 on every rank"
+        raise ValueError(f"{msg}, got {args.rank_envs or args.local_num_envs}")
     if args.capture_video and args.env_backend == "native":
         raise ValueError("--capture-video records through gymnasium: use --env-backend sync")
     cxx = os.environ.get("CXX", "g++")  # inductor builds its CPU kernels (and Triton's) with it
@@ -682,20 +678,13 @@ def check_args(args: Args, world_size: int, rank: int = 0):
             value = getattr(args, name)
             if value is not None and not ok(value):
                 raise ValueError(f"{flag(name)} must be {need}, got {value}")
-    idle = (
-        ("device_ids", not args.cuda, "with --no-cuda"),
-        *((name, world_size == 1, "in a single process") for name in LAUNCH_ONLY),
-        ("wandb_project_name", not args.track, "without --track"),
-        ("wandb_entity", not args.track, "without --track"),
-    )
-    return [
-        f"warning: {flag(name)} has no effect {why}"
-        for name, off, why in idle
-        if off and getattr(args, name) != getattr(Args, name)
-    ]
-
-
-LAUNCH_ONLY = ("backend", "pg_timeout", "bucket_mb", "allreduce_fp16", "balance_envs")
+    idle = [("device_ids", "with --no-cuda")] if not args.cuda else []
+    if world_size == 1:
+        idle += [(name, "in a single process") for name in LAUNCH_ONLY]
+    if not args.track:
+        idle += [("wandb_project_name", "without --track"), ("wandb_entity", "without --track")]
+    given = [(name, why) for name, why in idle if getattr(args, name) != getattr(Args, name)]
+    return [f"warning: {flag(name)} has no effect {why}" for name, why in given]
 
 
 def check_launch(env):
@@ -719,45 +708,35 @@ def check_launch(env):
 
 # ---- LAUNCH: device and backend, process group, the same flags on every rank -----------------
 def choose_device(args: Args, rank, local_rank, world_size, local_world_size, num_gpus):
-    """This rank's device and the collective backend. It reads only flags and the launch layout
-    (alike on every node), so every rank reaches the same verdict; a combination that cannot
-    work is a ValueError. The GPU is LOCAL_RANK's, or --device-ids[RANK]."""
-    if args.device_ids is not None and len(args.device_ids) != world_size:
-        raise ValueError(f"--device-ids has {len(args.device_ids)} ids for world size {world_size}")
+    """This rank's device (LOCAL_RANK's GPU, or --device-ids[RANK]) and collective backend, from
+    flags and launch layout only: every rank reaches the same verdict, or the same ValueError."""
+    ids = args.device_ids
+    if ids is not None and len(ids) != world_size:
+        raise ValueError(f"--device-ids has {len(ids)} ids for world size {world_size}")
     use_cuda = args.cuda and num_gpus > 0
     gpu, shared_gpu = None, False
-    if use_cuda and args.device_ids is not None:
-        gpus = args.device_ids
-        if max(gpus) >= num_gpus:
-            raise ValueError(f"--device-ids {gpus} names a GPU this node lacks ({num_gpus} GPUs)")
-        gpu = gpus[rank]
+    if use_cuda and ids is not None:
+        if max(ids) >= num_gpus:
+            raise ValueError(f"--device-ids {ids} names a GPU this node lacks ({num_gpus} GPUs)")
         # ranks r // local_world_size share a node; nccl refuses two ranks on one GPU of a node
-        nodes = [gpus[i : i + local_world_size] for i in range(0, world_size, local_world_size)]
-        shared_gpu = any(len(set(node)) < len(node) for node in nodes)
+        nodes = [ids[i : i + local_world_size] for i in range(0, world_size, local_world_size)]
+        gpu, shared_gpu = ids[rank], any(len(set(node)) < len(node) for node in nodes)
     elif use_cuda:
         gpu, shared_gpu = local_rank % num_gpus, local_world_size > num_gpus
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if use_cuda and not shared_gpu else "gloo"
+    auto = "nccl" if use_cuda and not shared_gpu else "gloo"
+    backend = auto if args.backend == "auto" else args.backend
     if backend == "nccl" and not use_cuda:
-        raise ValueError(
-            "--backend nccl needs CUDA, but this rank has no GPU (or --no-cuda was given); "
-            "use --backend gloo"
-        )
+        why = "this rank has no GPU (or --no-cuda was given)"
+        raise ValueError(f"--backend nccl needs CUDA, but {why}; use --backend gloo")
     if backend == "nccl" and shared_gpu:
-        raise ValueError(
-            f"nccl refuses two ranks on one GPU ({local_world_size} ranks per node, {num_gpus} "
-            f"GPUs, --device-ids {args.device_ids}); use --backend gloo"
-        )
-    device = torch.device("cuda", gpu) if use_cuda else torch.device("cpu")
-    return device, backend
+        layout = f"{local_world_size} ranks per node, {num_gpus} GPUs, --device-ids {ids}"
+        raise ValueError(f"nccl refuses two ranks on one GPU ({layout}); use --backend gloo")
+    return torch.device("cuda" if use_cuda else "cpu", gpu), backend
 
 
 def thread_counts(args: Args, device, local_world_size):
-    """(torch threads, ale-py threads per env group) from this node's cores per rank (torchrun's
-    OMP_NUM_THREADS=1 would leave cores idle). On CPU both share them (as measured). On CUDA
-    torch's host work is small (GAE in numpy, copies): torch gets 1 thread, and the emulators the
-    cores left, at most one thread per env."""
+    """(torch threads, ale-py threads per env group) from this node's cores per rank, not torchrun's
+    OMP_NUM_THREADS=1. On CUDA torch gets 1 thread, the emulators the rest (at most 1 per env)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = max(1, (cores or 1) // local_world_size)
     if device.type != "cuda":
@@ -769,8 +748,7 @@ def thread_counts(args: Args, device, local_world_size):
 
 def init_distributed(backend, rank, world_size, pg_timeout):
     timeout = datetime.timedelta(seconds=pg_timeout)
-    # torchrun keeps one key-value store across --max-restarts: a per-attempt prefix stops
-    # restarted ranks from reading the addresses of the ranks they replace
+    # torchrun's store outlives --max-restarts: a per-attempt prefix hides replaced ranks' keys
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     tcp_store = dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout)
@@ -793,8 +771,7 @@ def broadcast_object(obj, distributed, src=0):
 
 
 def check_same_flags(args: Args, world_size):
-    """Refuse ranks launched with different flags (they would run different collectives and
-    hang): every rank gathers every rank's resolved flags and reaches the same verdict."""
+    """Refuse ranks launched with different flags: they would run different collectives and hang."""
     own = ("threads", *(PER_RANK if args.rank_envs else ()))  # may differ per node or rank
     mine = {k: v for k, v in vars(args).items() if k not in own}
     everyone = [None] * world_size
@@ -803,17 +780,15 @@ def check_same_flags(args: Args, world_size):
     for key, value in everyone[0].items():
         values = [flags.get(key) for flags in everyone]
         if any(v != value for v in values):
-            differ.append(
-                f"{flag(key)} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
-            )
+            each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            differ.append(f"{flag(key)} ({each})")
     if differ:
         raise ValueError(f"ranks were launched with different flags: {'; '.join(differ)}")
 
 
 # ---- FAILURES: one line naming the rank and the cause, peers stopped at once -----------------
 def leave(code, distributed):
-    """Exit, flushing logs first. Distributed ranks leave with os._exit: gloo's C++ threads can
-    abort interpreter finalization (SIGABRT) even after destroy_process_group."""
+    """Exit after flushing logs; ranks use os._exit: gloo's threads can SIGABRT the finalization."""
     if not distributed:
         sys.exit(code)
     atexit._run_exitfuncs()  # e.g. the TensorBoard writer's close
@@ -831,21 +806,19 @@ def warn(msg):
 
 
 def fail(msg, rank, world_size, code=2):
-    """One line naming the rank, then exit 2: for errors every rank detects alike."""
+    """One line naming the rank, then exit `code`: for errors every rank detects alike."""
     where = f" [rank {rank}]" if world_size > 1 else ""
     WHERE["phase"] = "exit"  # the FailureBoard's watcher: this rank leaves on purpose
     print(f"error{where}: {msg}", file=sys.stderr, flush=True)
     if world_size > 1 and not dist.is_initialized():
-        # the peers check the same input: give them time to print their own line before
-        # torchrun stops them (they only note its SIGTERM, see Preemption)
+        # the peers check the same input: let them print their line before torchrun stops them
         time.sleep(2)
     leave(code, world_size > 1)
 
 
 class CrashReport:
-    """sys.excepthook: keep the traceback, then one line saying which rank failed and why (out of
-    memory, with advice; a failed collective: the peers the FailureBoard saw go silent). Once a
-    process group exists the line is posted to the other ranks, which stop at once."""
+    """sys.excepthook: the traceback, then one line naming the rank and cause (OOM advice; for a
+    failed collective, the silent peers); with a FailureBoard it is posted and the peers stop."""
 
     def __init__(self, rank, pg_timeout):
         self.rank, self.pg_timeout, self.device, self.board = rank, pg_timeout, None, None
@@ -855,14 +828,15 @@ class CrashReport:
         first = (str(exc).strip().splitlines() or [exc_type.__name__])[0][:300]
         msg = oom_advice(exc, self.device) or f"{exc_type.__name__}: {first}"
         peer_words = ("Timed out", "timed out", "closed by peer", "Connection reset", "NCCL")
-        if dist.is_initialized() and isinstance(exc, RuntimeError):
-            if any(k in first for k in peer_words):
-                who = self.board.silent_peers().values() if self.board else []
-                who = "; ".join(who) or "a peer rank died or stopped responding"
-                msg = f"{exc_type.__name__}: a collective failed: {who} "
-                msg += f"(--pg-timeout {self.pg_timeout:g}s) [{first}]"
-        if self.board is not None and self.board.posted():  # a peer failed first: that is why
-            msg = f"stopping, {self.board.posted()}"
+        collective = isinstance(exc, RuntimeError) and any(k in first for k in peer_words)
+        if collective and dist.is_initialized():
+            who = "; ".join(self.board.silent_peers().values()) if self.board else ""
+            who = who or "a peer rank died or stopped responding"
+            timeout = f"--pg-timeout {self.pg_timeout:g}s"
+            msg = f"{exc_type.__name__}: a collective failed: {who} ({timeout}) [{first}]"
+        posted = self.board and self.board.posted()
+        if posted:  # a peer failed first: that is why
+            msg = f"stopping, {posted}"
         print(f"error [rank {self.rank}]: {msg}", file=sys.stderr, flush=True)
         if self.board is not None:
             self.board.post(msg)
@@ -870,11 +844,9 @@ class CrashReport:
 
 
 def oom_advice(exc, device):
-    """One line for an out-of-memory error (None for other errors): what was in use, and the
-    flags that lower it."""
-    text = str(exc)
+    """One line for an out-of-memory error (else None): what was in use, the flags that lower it."""
     oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-    if not oom and "can't allocate memory" not in text:  # torch's CPU allocator
+    if not oom and "can't allocate memory" not in str(exc):  # torch's CPU allocator
         return None
     used = f"{host_rss_gb():.1f} GiB host RSS"
     if device is not None and device.type == "cuda":
@@ -889,12 +861,8 @@ WHERE = {"phase": "setup", "iteration": 0}  # MAIN's stage: what the FailureBoar
 
 
 class FailureBoard:
-    """The ranks' record in the launcher's key-value store, kept by a watcher thread on every
-    rank (it runs while the main thread waits in a collective). Each second it publishes this
-    rank's host, pid, WHERE and a beat, and reads the others'. A crashing rank posts one line:
-    its peers print it and stop at once. A peer that died without a word, or whose beat stopped
-    (min(--pg-timeout, 60) s; 10 s for a same-host process seen stopped), is named. A dead
-    launcher calls `orphaned`."""
+    """A watcher thread beats host, pid and WHERE into the launcher's store each second; a posted
+    failure, a dead peer, or one silent min(--pg-timeout, 60) s (10 s if stopped here) stops us."""
 
     def __init__(self, store, rank, world_size, pg_timeout, orphaned):
         self.store, self.rank, self.world_size, self.orphaned = store, rank, world_size, orphaned
@@ -903,8 +871,7 @@ class FailureBoard:
         threading.Thread(target=self.watch, daemon=True).start()
 
     def call(self, fn, *args):
-        """fn(*args) on the store; None once it failed: its launcher died, and torch would warn
-        with a stack trace at every further call."""
+        """fn(*args) on the store; None once it failed (torch would warn at every further call)."""
         try:
             return fn(*args) if self.store_alive else None
         except Exception:
@@ -926,10 +893,8 @@ class FailureBoard:
             where = f"in the {phase} of iteration {iteration}" if iteration else f"in {phase}"
             state = proc_state(pid) if host == self.me[0] else "?"  # "?": another node's
             if state in (None, "Z", "X"):
-                lines[r] = (
-                    f"{who} died without a word {where}: killed by a signal? (on Linux "
-                    "the OOM killer is the usual cause: see dmesg)"
-                )
+                why = "killed by a signal? (on Linux the OOM killer is the usual cause: see dmesg)"
+                lines[r] = f"{who} died without a word {where}: {why}"
             elif self.store_alive and now - since > (10 if state in "Tt" else self.stale_after):
                 lines[r] = f"{who} stopped answering {now - since:.0f} s ago, {where}"
         return lines
@@ -961,8 +926,7 @@ class FailureBoard:
 
 
 def proc_state(pid):
-    """The state letter of a process on this host (S, R, T stopped, Z zombie...), None if it is
-    gone, "?" where there is no /proc."""
+    """`pid`'s state letter here (S, R, T stopped, Z zombie...); None: gone; "?": no /proc."""
     if not os.path.isdir("/proc/self"):
         return "?"
     try:
