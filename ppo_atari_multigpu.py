@@ -1372,18 +1372,14 @@ class NativeVectorEnv:
 
     def __init__(self, env_id, num_envs, num_threads, frame_stack):
         kw = gym.spec(env_id).kwargs  # e.g. game "breakout", its sticky actions and time limit
-        # FIRE at a game's start only (after a lost life the agent fires); we stack the frames
-        # (a new life or game starts from copies of its first one); a life loss only sets
-        # terminated (episodic_life would reset the game); rewards unclipped: returns are scores
+        # FIRE at a game's start only; a life loss only sets terminated; unclipped rewards: scores
         options = dict(num_threads=num_threads, batch_size=num_envs, autoreset_mode="SameStep")
         options |= dict(frameskip=4, maxpool=True, noop_max=30, use_fire_reset=True)
         options |= dict(grayscale=True, img_height=84, img_width=84, stack_num=1)
         options |= dict(episodic_life=False, life_loss_info=True, reward_clipping=False)
-        options |= dict(
-            repeat_action_probability=kw.get("repeat_action_probability", 0.25),
-            full_action_space=kw.get("full_action_space", False),
-            max_num_frames_per_episode=kw.get("max_num_frames_per_episode", 108000),
-        )
+        options["repeat_action_probability"] = kw.get("repeat_action_probability", 0.25)
+        options["full_action_space"] = kw.get("full_action_space", False)
+        options["max_num_frames_per_episode"] = kw.get("max_num_frames_per_episode", 108000)
         self.env = AtariVectorEnv(kw["game"], num_envs, **options)
         self.num_envs, self.frame_stack = num_envs, frame_stack
         self.single_observation_space = gym.spaces.Box(0, 255, (frame_stack, 84, 84), np.uint8)
@@ -1392,10 +1388,9 @@ class NativeVectorEnv:
     def _info(self, info):
         # frame_number - episode_frame_number is constant during a game; it jumps at a reset
         self.offset = info["frame_number"].astype(np.int64) - info["episode_frame_number"]
-        out = {}
-        for key in ("lives", "episode_frame_number", "frame_number"):  # gymnasium: value + mask
-            out[key], out["_" + key] = info[key].astype(np.int64), np.ones(self.num_envs, bool)
-        return out
+        keys = ("lives", "episode_frame_number", "frame_number")  # gymnasium: value and mask
+        masks = {"_" + key: np.ones(self.num_envs, bool) for key in keys}
+        return {key: info[key].astype(np.int64) for key in keys} | masks
 
     def reset(self, seed=None):
         if seed is not None:  # an int: env i gets seed + i (as gymnasium); else one seed per env
@@ -1410,31 +1405,28 @@ class NativeVectorEnv:
         return self.step_wait()
 
     def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
-        # Every action is the agent's, FIRE after a lost life too: a forced FIRE would be a
-        # transition whose action the policy did not choose (benchmark/results/notes.md).
+        # only the agent's actions, FIRE after a lost life too: the policy chose every transition
         self.env.send(np.asarray(actions, dtype=np.int64))
 
     def step_wait(self):
         frame, reward, term, trunc, info = self.env.recv()
         old_offset = self.offset
         infos = self._info(info)
-        # A game ended (game over or time limit) exactly when ale-py reset it this step: the
-        # episode frame counter restarted while the global one went on. The old game lasted
-        # offset - old_offset raw frames, as RecordEpisodeStatistics counts on the raw env.
-        game_over = self.offset != old_offset
+        game_over = self.offset != old_offset  # ale-py reset the game here (over or time limit)
         self.returns += reward
         done = term | trunc
         last = np.concatenate([self.stack[:, 1:], frame], axis=1)
         if game_over.any():  # SAME_STEP: `frame` is already the new game's first frame there
             last[game_over, -1] = info["final_obs"][game_over, 0]
-        # A new life or game starts from copies of its first frame. np.where makes a new array:
-        # an obs handed out earlier (maybe shared by a CPU tensor) is never overwritten.
+        # a new life or game starts from copies of its first frame; a new array: an obs handed
+        # out earlier (maybe shared by a CPU tensor) is never overwritten
         self.stack = np.where(done[:, None, None, None], frame, last)
         if done.any():  # as gymnasium, but final_obs is one (N, C, 84, 84) array (valid where done)
             infos.update(final_obs=last, _final_obs=done, final_info={}, _final_info=done)
             if game_over.any():
-                r, length = np.where(game_over, self.returns, 0.0), self.offset - old_offset
-                episode = {"r": r, "l": np.where(game_over, length, 0)}
+                # its length in raw frames, as make_env's RecordEpisodeStatistics counts
+                length = np.where(game_over, self.offset - old_offset, 0)
+                episode = {"r": np.where(game_over, self.returns, 0.0), "l": length}
                 infos["final_info"] = {"episode": episode, "_episode": game_over}
         self.returns[game_over] = 0.0
         return self.stack, np.sign(reward).astype(np.float64), term, trunc, infos
@@ -1444,8 +1436,8 @@ class NativeVectorEnv:
 
 
 def merge_infos(parts, sizes):
-    """--async-envs: one info dict from those of the env groups (gymnasium's layout: per-env
-    arrays and '_key' masks; where a group lacks a key, its rows are zeros / False)."""
+    """--async-envs: one info dict from the env groups' (per-env arrays and '_key' masks; a
+    group's missing key gives zero / False rows)."""
     out = {}
     for key in set().union(*parts):
         values = [part.get(key) for part in parts]
@@ -1453,65 +1445,52 @@ def merge_infos(parts, sizes):
             out[key] = merge_infos([v or {} for v in values], sizes)
             continue
         ref = next(v for v in values if v is not None)
-        rows = []
-        for v, n in zip(values, sizes):
-            rows.append(np.zeros((n,) + ref.shape[1:], ref.dtype) if v is None else v)
-        out[key] = np.concatenate(rows)
+        zeros = [np.zeros((n, *ref.shape[1:]), ref.dtype) for n in sizes]
+        out[key] = np.concatenate([z if v is None else v for v, z in zip(values, zeros)])
     return out
 
 
 def env_worker(*args):
-    """gymnasium's env subprocess in a session of its own: a Ctrl-C (to the terminal's process
-    group) or torchrun's signals (to the rank's) are the trainer's to handle (PREEMPTION)."""
+    """gymnasium's env subprocess in its own session: Ctrl-C and torchrun's signals are ours."""
     os.setsid()
     with contextlib.suppress(BrokenPipeError):  # the trainer left without closing its envs
         gym.vector.async_vector_env._async_worker(*args)
 
 
 class RankEnvs:
-    """This rank's envs: one group, or two for --async-envs; sync or native backend; the time
-    spent waiting for the emulators in env_time. The storage holds uint8 frames, channels first:
-    anything else is refused here, at start."""
+    """This rank's envs: one group, or two for --async-envs; the time waiting for the emulators
+    in env_time. Anything but uint8 frames, channels first, is refused at start."""
 
     def __init__(self, args: Args, run_name, capture_video, threads=None):
         self.num_envs = n = args.local_num_envs
         self.groups = [range(n)] if not args.async_envs else [range(n // 2), range(n // 2, n)]
         self.threads = threads or torch.get_num_threads()  # ale-py's, per group (native)
+        env_id, stack = args.env_id, args.frame_stack
         if args.env_backend == "native":
-            self.envs = [
-                NativeVectorEnv(args.env_id, len(g), self.threads, args.frame_stack)
-                for g in self.groups
-            ]
+            self.envs = [NativeVectorEnv(env_id, len(g), self.threads, stack) for g in self.groups]
         else:
             # SAME_STEP: no fake transition after an episode end (gymnasium 1.x's default)
             kw = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
             vector_env = gym.vector.SyncVectorEnv
             if args.async_envs:  # subprocesses; forkserver: never fork a process that runs CUDA
-                vector_env, kw["context"], kw["worker"] = (
-                    gym.vector.AsyncVectorEnv,
-                    "forkserver",
-                    env_worker,
-                )
-            self.envs = []
-            for g in self.groups:
-                thunks = [
-                    make_env(args.env_id, i, capture_video, run_name, args.frame_stack) for i in g
-                ]
-                self.envs.append(vector_env(thunks, **kw))
+                vector_env = gym.vector.AsyncVectorEnv
+                kw |= dict(context="forkserver", worker=env_worker)
+            thunks = [make_env(env_id, i, capture_video, run_name, stack) for i in range(n)]
+            self.envs = [vector_env(thunks[g.start : g.stop], **kw) for g in self.groups]
         self.single_observation_space = space = self.envs[0].single_observation_space
         self.single_action_space = self.envs[0].single_action_space
-        if space.dtype != np.uint8 or len(space.shape) != 3 or space.shape[0] != args.frame_stack:
+        if space.dtype != np.uint8 or len(space.shape) != 3 or space.shape[0] != stack:
             self.close()
             raise ValueError(
-                f"the rollout storage holds uint8 frames, channels first ({args.frame_stack}, H, "
-                f"W): {args.env_id} gives {space.dtype} {space.shape}"
+                f"the rollout storage holds uint8 frames, channels first ({stack}, H, W): "
+                f"{env_id} gives {space.dtype} {space.shape}"
             )
         self.env_time = 0.0
 
     def reset(self, seeds):
-        frames = []
-        for env, g in zip(self.envs, self.groups):
-            frames.append(env.reset(seed=[seeds[i] for i in g])[0])
+        frames = [
+            env.reset(seed=[seeds[i] for i in g])[0] for env, g in zip(self.envs, self.groups)
+        ]
         return np.concatenate(frames)
 
     def step(self, actions):
@@ -1521,8 +1500,8 @@ class RankEnvs:
         return result
 
     def act_and_step(self, policy, obs):
-        """--async-envs: the first group's envs step while the policy acts for the second. Still
-        on-policy: every action comes from the same weights. Returns policy(obs) and step()'s."""
+        """--async-envs: one group's envs step while the policy acts for the next (the same
+        weights: still on-policy). Returns policy(obs) and step()'s result."""
         outs = []
         for env, g in zip(self.envs, self.groups):
             # copies: with --cuda-graphs the next group's replay overwrites the graph's outputs
@@ -1544,44 +1523,37 @@ class RankEnvs:
 
 # ---- FAST PATH AND MIXED PRECISION (README "Performance") -------------------------------------
 def keep_freed_memory():
-    """glibc returns each freed block above its mmap threshold to the OS, so every minibatch can
-    page-fault its activations in again. Serve blocks up to 1 GiB from the heap and never trim
-    it. Returns whether glibc took both settings (False where the C library is not glibc)."""
+    """Serve blocks up to 1 GiB from glibc's heap, never trimmed, so minibatches do not page-fault
+    their activations in again. Returns whether glibc (if that is the C library) took both."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    m_mmap_threshold, m_trim_threshold = -3, -1
-    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1
-    return libc.mallopt(m_trim_threshold, 2**31 - 1) == 1 and ok
+    ok = libc.mallopt(-3, 1 << 30) == 1  # M_MMAP_THRESHOLD
+    return libc.mallopt(-1, 2**31 - 1) == 1 and ok  # M_TRIM_THRESHOLD
 
 
 def network_roles(network):
-    """The layers the fast path needs, found by role, not position: the first nn.Flatten (where
-    the convolutional part ends) and the parameter-free layer just before it in its
-    nn.Sequential (the last convolution's activation); None where the network has no such one."""
+    """(the first nn.Flatten, the parameter-free layer just before it in its nn.Sequential or
+    None): where the convolutions end, found by role, not position; (None, None) if no Flatten."""
     for parent in network.modules():
         layers = list(parent) if isinstance(parent, nn.Sequential) else []
         for i, layer in enumerate(layers):
             if isinstance(layer, nn.Flatten):
-                before = layers[i - 1] if i else None
-                if before is not None and next(before.parameters(), None) is not None:
-                    before = None
-                return layer, before
+                free = i > 0 and next(layers[i - 1].parameters(), None) is None
+                return layer, layers[i - 1] if free else None
     return None, None
 
 
 def speed_up(agent, args: Args, overlap=False, say=None):
-    """Same-math layout changes (channels-last weights; NCHW again before the last convolution's
-    activation) and the opt-in compile. `overlap`: GradBuckets all-reduces during backward
-    (several ranks). A trick the network does not fit is skipped, and `say` told so once.
-    Call BEFORE flat_grad_buffer."""
+    """Same-math layout changes and the opt-in compile (call BEFORE flat_grad_buffer); a trick the
+    network does not fit is skipped, `say` told once. `overlap`: buckets go out during backward."""
     flatten, last_activation = network_roles(agent.network)
     skipped = []
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
-        # ReLU's backward is ~30x slower when its gradient (NCHW, from Flatten) and its saved
-        # output (channels-last) differ in layout: its input goes NCHW (Flatten copies so anyway)
+        # ReLU's backward is far slower when its gradient (NCHW, from Flatten) and its saved
+        # output differ in layout: its input goes NCHW (Flatten copies so anyway)
         if last_activation is not None:
             last_activation.register_forward_pre_hook(lambda _, inputs: (inputs[0].contiguous(),))
         elif any(p.dim() == 4 for p in agent.parameters()):
@@ -1590,31 +1562,22 @@ def speed_up(agent, args: Args, overlap=False, say=None):
                 "backward runs in mixed layouts (slower)"
             )
     if args.compile:
-        # The rollout's policy step and the whole loss of a (micro-)batch, network, frame
-        # conversion and statistics included (AOTAutograd compiles its backward too). Fixed
-        # shapes (dynamic=False): one graph per batch size, none per iteration. Plain attributes:
-        # the module, its state_dict keys and checkpoints stay as they are; get_value stays eager
-        # (its batch sizes vary).
-        mode = "reduce-overhead" if args.cuda_graphs else None  # inductor's CUDA graphs
-        # torch 2.13's kernel cache ignores ATEN_CPU_CAPABILITY: a kernel cached under another
-        # capability aborts the process (malloc) or gives NaN. So one default cache per
-        # capability (importing dynamo sets the variable to the shared default; a user's stays).
+        # plain attributes: state_dict keys unchanged; fixed shapes: one graph per batch size
+        # (get_value, whose batch sizes vary, stays eager)
+        fixed = dict(dynamic=False, mode="reduce-overhead" if args.cuda_graphs else None)
+        # torch 2.13's kernel cache ignores ATEN_CPU_CAPABILITY (another capability's kernel
+        # aborts or gives NaN): one default cache per capability; a user's own dir stays.
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
             isa = torch.backends.cpu.get_cpu_capability()
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{isa}"
-        # On a CPU under --amp the eager policy step is faster: autocast casts the weights once
-        # per rollout (MAIN's one no_grad region), a compiled step casts them on every call.
+        # CPU under --amp: eager autocast casts the weights once per rollout, compiled every step
         if args.amp == "none" or next(agent.parameters()).is_cuda:
-            agent.compiled_policy = torch.compile(
-                agent.get_action_and_value, dynamic=False, mode=mode
-            )
-        agent.compiled_loss = torch.compile(ppo_loss, dynamic=False, mode=mode)
-        # AOTAutograd runs a graph's backward as one node, so in one graph no gradient is ready
-        # (and no bucket goes out) until all of backward ends. A graph break where the
-        # convolutions end, in training only, lets the later layers' buckets go out while the
-        # convolutions' backward runs, as in eager (tested).
+            agent.compiled_policy = torch.compile(agent.get_action_and_value, **fixed)
+        agent.compiled_loss = torch.compile(ppo_loss, **fixed)
+        # one graph's backward is one node (no bucket leaves before it ends): a graph break where
+        # the convolutions end, in training only, overlaps the all-reduce as eager does
         if overlap and flatten is not None:
             flatten.register_forward_pre_hook(
                 lambda *_: torch._dynamo.graph_break() if torch.is_grad_enabled() else None
@@ -1627,10 +1590,8 @@ def speed_up(agent, args: Args, overlap=False, say=None):
 
 
 def network_input(x, first_weight):
-    """Frames / 255 as the first layer takes them. With channels-last weights the uint8 frames
-    are reordered BEFORE the division (oneDNN would otherwise reorder a 4x larger float copy on
-    every call). Under --amp the layer would cast fp32 frames to the autocast dtype, so bytes go
-    straight to it: the same values, as bytes are exact there and the division rounds once."""
+    """Frames / 255 in the first layer's layout and (under --amp) dtype: uint8 is reordered
+    before the division (4x fewer bytes) and cast straight to the autocast dtype (same values)."""
     if first_weight.is_contiguous(memory_format=torch.channels_last) and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     dtype = torch.float32
@@ -1641,35 +1602,29 @@ def network_input(x, first_weight):
 
 
 def gather_frames(frames, i):
-    """frames[i] for an index tensor `i`, copied whole frame by whole frame, in the layout of
-    `frames`: index_select alone returns NCHW, and a channels-last conv would reorder it again."""
+    """frames[i] in the layout of `frames` (index_select alone returns NCHW, to reorder again)."""
     if frames.is_contiguous(memory_format=torch.channels_last):
         return frames.permute(0, 2, 3, 1).index_select(0, i).permute(0, 3, 1, 2)
     return frames.index_select(0, i)
 
 
 def frame_buffer(shape, channels_last, device):
-    """Zeroed uint8 rollout storage of `shape` (steps, envs, C, H, W), laid out as the conv
-    weights are: a minibatch gathered from it needs no reorder before the first convolution."""
+    """Zeroed uint8 rollout storage (steps, envs, C, H, W) in the conv weights' layout."""
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    flat = torch.empty(
-        (shape[0] * shape[1], *shape[2:]), dtype=torch.uint8, device=device, memory_format=layout
-    )
+    size = (shape[0] * shape[1], *shape[2:])
+    flat = torch.empty(size, dtype=torch.uint8, device=device, memory_format=layout)
     return flat.zero_().view(shape)
 
 
 def upload(array, device):
-    """A numpy array on `device` (on CPU sharing its memory); on CUDA through pinned memory with
-    non_blocking: a pageable copy would make the host wait for the GPU."""
+    """A numpy array on `device` (on CPU sharing its memory); on CUDA pinned and non_blocking."""
     tensor = torch.from_numpy(np.ascontiguousarray(array))
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 class StepUpload:
-    """A step's frames, rewards and dones to the device in ONE copy (on CUDA three pinned copies
-    and two cast kernels otherwise): packed into one reused host buffer, pinned on CUDA, with
-    rewards as float32 and dones as 0/1 floats, as the storage holds them (the same casts). On CPU
-    the tensors returned are views of that buffer, valid until the next call."""
+    """A step's frames, float32 rewards and 0/1 float dones to the device in ONE copy of one
+    reused host buffer (pinned on CUDA). On CPU the tensors are views valid until the next call."""
 
     def __init__(self, device):
         self.device, self.host, self.copied = device, None, None
@@ -1687,15 +1642,14 @@ class StepUpload:
         floats[n:].copy_(torch.from_numpy(done))
         out = self.host.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied = torch.cuda.current_stream().record_event()
         floats = out[size:].view(torch.float32)
         return out[:size].view(frames.shape), floats[:n], floats[n:]
 
 
 def precision(args: Args, device):
-    """One autocast context for rollout and update, and a GradScaler that is active for fp16
-    only: the loop has no precision branches (disabled, both leave every number unchanged)."""
+    """One autocast context and a GradScaler active for fp16 only: the loop has no precision
+    branches (disabled, both leave every number unchanged)."""
     dtype = torch.float16 if args.amp == "fp16" else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=dtype, enabled=args.amp != "none")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -1703,9 +1657,8 @@ def precision(args: Args, device):
 
 
 def slow_bf16_warning(args: Args, device):
-    """A line for --amp bf16 on a CPU without bf16 instructions (avx512_bf16, AMX) that oneDNN
-    may use: torch then emulates bf16, several times slower than fp32. Warned, not refused: the
-    numbers are still right. None where bf16 is native (or not asked for)."""
+    """A warning line for --amp bf16 on a CPU where oneDNN may lack bf16 instructions (emulated:
+    slow, but right); None otherwise."""
     if args.amp != "bf16" or device.type != "cpu":
         return None
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
