@@ -1405,7 +1405,6 @@ class NativeVectorEnv:
         return self.step_wait()
 
     def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
-        # only the agent's actions, FIRE after a lost life too: the policy chose every transition
         self.env.send(np.asarray(actions, dtype=np.int64))
 
     def step_wait(self):
@@ -1436,8 +1435,7 @@ class NativeVectorEnv:
 
 
 def merge_infos(parts, sizes):
-    """--async-envs: one info dict from the env groups' (per-env arrays and '_key' masks; a
-    group's missing key gives zero / False rows)."""
+    """--async-envs: the groups' infos as one (a key a group lacks gives zero / False rows)."""
     out = {}
     for key in set().union(*parts):
         values = [part.get(key) for part in parts]
@@ -1469,8 +1467,7 @@ class RankEnvs:
         if args.env_backend == "native":
             self.envs = [NativeVectorEnv(env_id, len(g), self.threads, stack) for g in self.groups]
         else:
-            # SAME_STEP: no fake transition after an episode end (gymnasium 1.x's default)
-            kw = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
+            kw = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}  # no fake step after an end
             vector_env = gym.vector.SyncVectorEnv
             if args.async_envs:  # subprocesses; forkserver: never fork a process that runs CUDA
                 vector_env = gym.vector.AsyncVectorEnv
@@ -1488,10 +1485,8 @@ class RankEnvs:
         self.env_time = 0.0
 
     def reset(self, seeds):
-        frames = [
-            env.reset(seed=[seeds[i] for i in g])[0] for env, g in zip(self.envs, self.groups)
-        ]
-        return np.concatenate(frames)
+        groups = zip(self.envs, self.groups)
+        return np.concatenate([env.reset(seed=[seeds[i] for i in g])[0] for env, g in groups])
 
     def step(self, actions):
         t = time.perf_counter()
@@ -1637,9 +1632,7 @@ class StepUpload:
         elif self.copied is not None:
             self.copied.synchronize()  # the last step's copy has read the buffer
         self.host[:size].view(frames.shape).copy_(torch.from_numpy(frames))
-        floats = self.host[size:].view(torch.float32)
-        floats[:n].copy_(torch.from_numpy(reward))
-        floats[n:].copy_(torch.from_numpy(done))
+        self.host[size:].view(torch.float32).copy_(torch.from_numpy(np.concatenate([reward, done])))
         out = self.host.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.current_stream().record_event()
