@@ -1449,7 +1449,7 @@ def merge_infos(parts, sizes):
 
 
 def env_worker(*args):
-    """gymnasium's env subprocess in its own session: Ctrl-C and torchrun's signals are ours."""
+    """gymnasium's env subprocess in its own session: signals are the trainer's (PREEMPTION)."""
     os.setsid()
     with contextlib.suppress(BrokenPipeError):  # the trainer left without closing its envs
         gym.vector.async_vector_env._async_worker(*args)
@@ -1557,8 +1557,7 @@ def speed_up(agent, args: Args, overlap=False, say=None):
                 "backward runs in mixed layouts (slower)"
             )
     if args.compile:
-        # plain attributes: state_dict keys unchanged; fixed shapes: one graph per batch size
-        # (get_value, whose batch sizes vary, stays eager)
+        # plain attributes (state_dict unchanged); fixed shapes; get_value (sizes vary) stays eager
         fixed = dict(dynamic=False, mode="reduce-overhead" if args.cuda_graphs else None)
         # torch 2.13's kernel cache ignores ATEN_CPU_CAPABILITY (another capability's kernel
         # aborts or gives NaN): one default cache per capability; a user's own dir stays.
@@ -1641,8 +1640,7 @@ class StepUpload:
 
 
 def precision(args: Args, device):
-    """One autocast context and a GradScaler active for fp16 only: the loop has no precision
-    branches (disabled, both leave every number unchanged)."""
+    """Autocast and a GradScaler (fp16 only), no-ops where disabled: the loop never branches."""
     dtype = torch.float16 if args.amp == "fp16" else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=dtype, enabled=args.amp != "none")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -1650,8 +1648,7 @@ def precision(args: Args, device):
 
 
 def slow_bf16_warning(args: Args, device):
-    """A warning line for --amp bf16 on a CPU where oneDNN may lack bf16 instructions (emulated:
-    slow, but right); None otherwise."""
+    """A warning line for --amp bf16 where oneDNN may emulate bf16 on this CPU (slow); else None."""
     if args.amp != "bf16" or device.type != "cpu":
         return None
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
