@@ -565,11 +565,11 @@ def minibatch_gradient(agent, args, coef, batch, mb_inds, buckets, autocast, sca
 
 # ---- FLAGS: derived sizes and the checks that need no process group ---------------------------
 PER_RANK = ("local_num_envs", "local_batch_size", "local_minibatch_size")  # --rank-envs: own
+LAUNCH_ONLY = ("backend", "pg_timeout", "bucket_mb", "allreduce_fp16", "balance_envs")
 
 
 def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
-    """Derive every batch size from the subset the user gave; refuse inconsistent ones. The
-    local sizes are `rank`'s (they differ between ranks only with --rank-envs)."""
+    """Derive all batch sizes (local ones: `rank`'s) from those given; refuse inconsistent ones."""
 
     def need(ok, msg):
         if not ok:
@@ -607,17 +607,16 @@ def resolve_sizes(args: Args, world_size: int, rank: int = 0) -> Args:
     msg = f"--local-batch-size {lbs} != --local-num-envs {envs} x --num-steps {steps}"
     need(lbs is None or lbs == envs * steps, msg)
     lbs = envs * steps
-    if args.local_minibatch_size is not None:
-        mbs, n_mb = args.local_minibatch_size, args.num_minibatches
-        need(
-            lbs % mbs == 0, f"--local-minibatch-size {mbs} does not divide --local-batch-size {lbs}"
-        )
-        msg = f"--num-minibatches {n_mb} x --local-minibatch-size {mbs} != --local-batch-size {lbs}"
-        need(n_mb is None or n_mb * mbs == lbs, msg)
-        n_mb = lbs // mbs
-    else:
-        n_mb = args.num_minibatches if args.num_minibatches is not None else 4
+    mbs, n_mb = args.local_minibatch_size, args.num_minibatches
+    if mbs is None:
+        n_mb = n_mb or 4
         need(lbs % n_mb == 0, f"--num-minibatches {n_mb} does not divide --local-batch-size {lbs}")
+    else:
+        msg = f"--local-minibatch-size {mbs} does not divide --local-batch-size {lbs}"
+        need(lbs % mbs == 0, msg)
+        msg = f"--num-minibatches {n_mb} x --local-minibatch-size {mbs} != --local-batch-size {lbs}"
+        need(n_mb in (None, lbs // mbs), msg)
+        n_mb = lbs // mbs
     mbs, k = lbs // n_mb, args.grad_accum
     need(mbs % k == 0, f"--grad-accum {k} does not divide --local-minibatch-size {mbs}")
     total = sum(split) if split else envs * world_size
@@ -643,15 +642,12 @@ def check_env_id(env_id: str):
 
 
 def check_args(args: Args, world_size: int, rank: int = 0):
-    """Resolve the sizes and refuse bad input with one ValueError, identically on every rank.
-    Returns a warning line for each flag given that has no effect here."""
+    """Resolve sizes, refuse bad input alike on every rank; return warnings for idle flags."""
     resolve_sizes(args, world_size, rank)
     check_env_id(args.env_id)
     if args.async_envs and min(args.rank_envs or [args.local_num_envs]) < 2:
-        raise ValueError(
-            "--async-envs splits each rank's envs into two groups: needs >= 2 on every rank, "
-            f"got {args.rank_envs or args.local_num_envs}"
-        )
+        msg = "--async-envs splits each rank's envs into two groups: needs >= 2 on every rank"
+        raise ValueError(f"{msg}, got {args.rank_envs or args.local_num_envs}")
     if args.capture_video and args.env_backend == "native":
         raise ValueError("--capture-video records through gymnasium: use --env-backend sync")
     cxx = os.environ.get("CXX", "g++")  # inductor builds its CPU kernels (and Triton's) with it
@@ -677,20 +673,13 @@ def check_args(args: Args, world_size: int, rank: int = 0):
             value = getattr(args, name)
             if value is not None and not ok(value):
                 raise ValueError(f"{flag(name)} must be {need}, got {value}")
-    idle = (
-        ("device_ids", not args.cuda, "with --no-cuda"),
-        *((name, world_size == 1, "in a single process") for name in LAUNCH_ONLY),
-        ("wandb_project_name", not args.track, "without --track"),
-        ("wandb_entity", not args.track, "without --track"),
-    )
-    return [
-        f"warning: {flag(name)} has no effect {why}"
-        for name, off, why in idle
-        if off and getattr(args, name) != getattr(Args, name)
-    ]
-
-
-LAUNCH_ONLY = ("backend", "pg_timeout", "bucket_mb", "allreduce_fp16", "balance_envs")
+    idle = [("device_ids", "with --no-cuda")] if not args.cuda else []
+    if world_size == 1:
+        idle += [(name, "in a single process") for name in LAUNCH_ONLY]
+    if not args.track:
+        idle += [("wandb_project_name", "without --track"), ("wandb_entity", "without --track")]
+    given = [(name, why) for name, why in idle if getattr(args, name) != getattr(Args, name)]
+    return [f"warning: {flag(name)} has no effect {why}" for name, why in given]
 
 
 def check_launch(env):
@@ -714,45 +703,35 @@ def check_launch(env):
 
 # ---- LAUNCH: device and backend, process group, the same flags on every rank -----------------
 def choose_device(args: Args, rank, local_rank, world_size, local_world_size, num_gpus):
-    """This rank's device and the collective backend. It reads only flags and the launch layout
-    (alike on every node), so every rank reaches the same verdict; a combination that cannot
-    work is a ValueError. The GPU is LOCAL_RANK's, or --device-ids[RANK]."""
-    if args.device_ids is not None and len(args.device_ids) != world_size:
-        raise ValueError(f"--device-ids has {len(args.device_ids)} ids for world size {world_size}")
+    """This rank's device (LOCAL_RANK's GPU, or --device-ids[RANK]) and collective backend, from
+    flags and launch layout only: every rank reaches the same verdict, or the same ValueError."""
+    ids = args.device_ids
+    if ids is not None and len(ids) != world_size:
+        raise ValueError(f"--device-ids has {len(ids)} ids for world size {world_size}")
     use_cuda = args.cuda and num_gpus > 0
     gpu, shared_gpu = None, False
-    if use_cuda and args.device_ids is not None:
-        gpus = args.device_ids
-        if max(gpus) >= num_gpus:
-            raise ValueError(f"--device-ids {gpus} names a GPU this node lacks ({num_gpus} GPUs)")
-        gpu = gpus[rank]
+    if use_cuda and ids is not None:
+        if max(ids) >= num_gpus:
+            raise ValueError(f"--device-ids {ids} names a GPU this node lacks ({num_gpus} GPUs)")
         # ranks r // local_world_size share a node; nccl refuses two ranks on one GPU of a node
-        nodes = [gpus[i : i + local_world_size] for i in range(0, world_size, local_world_size)]
-        shared_gpu = any(len(set(node)) < len(node) for node in nodes)
+        nodes = [ids[i : i + local_world_size] for i in range(0, world_size, local_world_size)]
+        gpu, shared_gpu = ids[rank], any(len(set(node)) < len(node) for node in nodes)
     elif use_cuda:
         gpu, shared_gpu = local_rank % num_gpus, local_world_size > num_gpus
-    backend = args.backend
-    if backend == "auto":
-        backend = "nccl" if use_cuda and not shared_gpu else "gloo"
+    auto = "nccl" if use_cuda and not shared_gpu else "gloo"
+    backend = auto if args.backend == "auto" else args.backend
     if backend == "nccl" and not use_cuda:
-        raise ValueError(
-            "--backend nccl needs CUDA, but this rank has no GPU (or --no-cuda was given); "
-            "use --backend gloo"
-        )
+        why = "this rank has no GPU (or --no-cuda was given)"
+        raise ValueError(f"--backend nccl needs CUDA, but {why}; use --backend gloo")
     if backend == "nccl" and shared_gpu:
-        raise ValueError(
-            f"nccl refuses two ranks on one GPU ({local_world_size} ranks per node, {num_gpus} "
-            f"GPUs, --device-ids {args.device_ids}); use --backend gloo"
-        )
-    device = torch.device("cuda", gpu) if use_cuda else torch.device("cpu")
-    return device, backend
+        layout = f"{local_world_size} ranks per node, {num_gpus} GPUs, --device-ids {ids}"
+        raise ValueError(f"nccl refuses two ranks on one GPU ({layout}); use --backend gloo")
+    return torch.device("cuda" if use_cuda else "cpu", gpu), backend
 
 
 def thread_counts(args: Args, device, local_world_size):
-    """(torch threads, ale-py threads per env group) from this node's cores per rank (torchrun's
-    OMP_NUM_THREADS=1 would leave cores idle). On CPU both share them (as measured). On CUDA
-    torch's host work is small (GAE in numpy, copies): torch gets 1 thread, and the emulators the
-    cores left, at most one thread per env."""
+    """(torch threads, ale-py threads per env group) from this node's cores per rank, not torchrun's
+    OMP_NUM_THREADS=1. On CUDA torch gets 1 thread, the emulators the rest (at most 1 per env)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = max(1, (cores or 1) // local_world_size)
     if device.type != "cuda":
@@ -764,8 +743,7 @@ def thread_counts(args: Args, device, local_world_size):
 
 def init_distributed(backend, rank, world_size, pg_timeout):
     timeout = datetime.timedelta(seconds=pg_timeout)
-    # torchrun keeps one key-value store across --max-restarts: a per-attempt prefix stops
-    # restarted ranks from reading the addresses of the ranks they replace
+    # torchrun's store outlives --max-restarts: a per-attempt prefix hides replaced ranks' keys
     is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     tcp_store = dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout)
@@ -788,8 +766,7 @@ def broadcast_object(obj, distributed, src=0):
 
 
 def check_same_flags(args: Args, world_size):
-    """Refuse ranks launched with different flags (they would run different collectives and
-    hang): every rank gathers every rank's resolved flags and reaches the same verdict."""
+    """Refuse ranks launched with different flags: they would run different collectives and hang."""
     own = ("threads", *(PER_RANK if args.rank_envs else ()))  # may differ per node or rank
     mine = {k: v for k, v in vars(args).items() if k not in own}
     everyone = [None] * world_size
@@ -798,17 +775,15 @@ def check_same_flags(args: Args, world_size):
     for key, value in everyone[0].items():
         values = [flags.get(key) for flags in everyone]
         if any(v != value for v in values):
-            differ.append(
-                f"{flag(key)} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})"
-            )
+            each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            differ.append(f"{flag(key)} ({each})")
     if differ:
         raise ValueError(f"ranks were launched with different flags: {'; '.join(differ)}")
 
 
 # ---- FAILURES: one line naming the rank and the cause, peers stopped at once -----------------
 def leave(code, distributed):
-    """Exit, flushing logs first. Distributed ranks leave with os._exit: gloo's C++ threads can
-    abort interpreter finalization (SIGABRT) even after destroy_process_group."""
+    """Exit after flushing logs; ranks use os._exit: gloo's threads can SIGABRT the finalization."""
     if not distributed:
         sys.exit(code)
     atexit._run_exitfuncs()  # e.g. the TensorBoard writer's close
@@ -826,21 +801,19 @@ def warn(msg):
 
 
 def fail(msg, rank, world_size, code=2):
-    """One line naming the rank, then exit 2: for errors every rank detects alike."""
+    """One line naming the rank, then exit `code`: for errors every rank detects alike."""
     where = f" [rank {rank}]" if world_size > 1 else ""
     WHERE["phase"] = "exit"  # the FailureBoard's watcher: this rank leaves on purpose
     print(f"error{where}: {msg}", file=sys.stderr, flush=True)
     if world_size > 1 and not dist.is_initialized():
-        # the peers check the same input: give them time to print their own line before
-        # torchrun stops them (they only note its SIGTERM, see Preemption)
+        # the peers check the same input: let them print their line before torchrun stops them
         time.sleep(2)
     leave(code, world_size > 1)
 
 
 class CrashReport:
-    """sys.excepthook: keep the traceback, then one line saying which rank failed and why (out of
-    memory, with advice; a failed collective: the peers the FailureBoard saw go silent). Once a
-    process group exists the line is posted to the other ranks, which stop at once."""
+    """sys.excepthook: the traceback, then one line naming the rank and cause (OOM advice; for a
+    failed collective, the silent peers); with a FailureBoard it is posted and the peers stop."""
 
     def __init__(self, rank, pg_timeout):
         self.rank, self.pg_timeout, self.device, self.board = rank, pg_timeout, None, None
@@ -850,14 +823,15 @@ class CrashReport:
         first = (str(exc).strip().splitlines() or [exc_type.__name__])[0][:300]
         msg = oom_advice(exc, self.device) or f"{exc_type.__name__}: {first}"
         peer_words = ("Timed out", "timed out", "closed by peer", "Connection reset", "NCCL")
-        if dist.is_initialized() and isinstance(exc, RuntimeError):
-            if any(k in first for k in peer_words):
-                who = self.board.silent_peers().values() if self.board else []
-                who = "; ".join(who) or "a peer rank died or stopped responding"
-                msg = f"{exc_type.__name__}: a collective failed: {who} "
-                msg += f"(--pg-timeout {self.pg_timeout:g}s) [{first}]"
-        if self.board is not None and self.board.posted():  # a peer failed first: that is why
-            msg = f"stopping, {self.board.posted()}"
+        collective = isinstance(exc, RuntimeError) and any(k in first for k in peer_words)
+        if collective and dist.is_initialized():
+            who = "; ".join(self.board.silent_peers().values()) if self.board else ""
+            who = who or "a peer rank died or stopped responding"
+            timeout = f"--pg-timeout {self.pg_timeout:g}s"
+            msg = f"{exc_type.__name__}: a collective failed: {who} ({timeout}) [{first}]"
+        posted = self.board and self.board.posted()
+        if posted:  # a peer failed first: that is why
+            msg = f"stopping, {posted}"
         print(f"error [rank {self.rank}]: {msg}", file=sys.stderr, flush=True)
         if self.board is not None:
             self.board.post(msg)
@@ -865,11 +839,9 @@ class CrashReport:
 
 
 def oom_advice(exc, device):
-    """One line for an out-of-memory error (None for other errors): what was in use, and the
-    flags that lower it."""
-    text = str(exc)
+    """One line for an out-of-memory error (else None): what was in use, the flags that lower it."""
     oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-    if not oom and "can't allocate memory" not in text:  # torch's CPU allocator
+    if not oom and "can't allocate memory" not in str(exc):  # torch's CPU allocator
         return None
     used = f"{host_rss_gb():.1f} GiB host RSS"
     if device is not None and device.type == "cuda":
@@ -884,12 +856,8 @@ WHERE = {"phase": "setup", "iteration": 0}  # MAIN's stage: what the FailureBoar
 
 
 class FailureBoard:
-    """The ranks' record in the launcher's key-value store, kept by a watcher thread on every
-    rank (it runs while the main thread waits in a collective). Each second it publishes this
-    rank's host, pid, WHERE and a beat, and reads the others'. A crashing rank posts one line:
-    its peers print it and stop at once. A peer that died without a word, or whose beat stopped
-    (min(--pg-timeout, 60) s; 10 s for a same-host process seen stopped), is named. A dead
-    launcher calls `orphaned`."""
+    """A watcher thread beats host, pid and WHERE into the launcher's store each second; a posted
+    failure, a dead peer, or one silent min(--pg-timeout, 60) s (10 s if stopped here) stops us."""
 
     def __init__(self, store, rank, world_size, pg_timeout, orphaned):
         self.store, self.rank, self.world_size, self.orphaned = store, rank, world_size, orphaned
@@ -898,8 +866,7 @@ class FailureBoard:
         threading.Thread(target=self.watch, daemon=True).start()
 
     def call(self, fn, *args):
-        """fn(*args) on the store; None once it failed: its launcher died, and torch would warn
-        with a stack trace at every further call."""
+        """fn(*args) on the store; None once it failed (torch would warn at every further call)."""
         try:
             return fn(*args) if self.store_alive else None
         except Exception:
@@ -921,10 +888,8 @@ class FailureBoard:
             where = f"in the {phase} of iteration {iteration}" if iteration else f"in {phase}"
             state = proc_state(pid) if host == self.me[0] else "?"  # "?": another node's
             if state in (None, "Z", "X"):
-                lines[r] = (
-                    f"{who} died without a word {where}: killed by a signal? (on Linux "
-                    "the OOM killer is the usual cause: see dmesg)"
-                )
+                why = "killed by a signal? (on Linux the OOM killer is the usual cause: see dmesg)"
+                lines[r] = f"{who} died without a word {where}: {why}"
             elif self.store_alive and now - since > (10 if state in "Tt" else self.stale_after):
                 lines[r] = f"{who} stopped answering {now - since:.0f} s ago, {where}"
         return lines
@@ -956,8 +921,7 @@ class FailureBoard:
 
 
 def proc_state(pid):
-    """The state letter of a process on this host (S, R, T stopped, Z zombie...), None if it is
-    gone, "?" where there is no /proc."""
+    """`pid`'s state letter here (S, R, T stopped, Z zombie...); None: gone; "?": no /proc."""
     if not os.path.isdir("/proc/self"):
         return "?"
     try:
@@ -1367,18 +1331,14 @@ class NativeVectorEnv:
 
     def __init__(self, env_id, num_envs, num_threads, frame_stack):
         kw = gym.spec(env_id).kwargs  # e.g. game "breakout", its sticky actions and time limit
-        # FIRE at a game's start only (after a lost life the agent fires); we stack the frames
-        # (a new life or game starts from copies of its first one); a life loss only sets
-        # terminated (episodic_life would reset the game); rewards unclipped: returns are scores
+        # FIRE at a game's start only; a life loss only sets terminated; unclipped rewards: scores
         options = dict(num_threads=num_threads, batch_size=num_envs, autoreset_mode="SameStep")
         options |= dict(frameskip=4, maxpool=True, noop_max=30, use_fire_reset=True)
         options |= dict(grayscale=True, img_height=84, img_width=84, stack_num=1)
         options |= dict(episodic_life=False, life_loss_info=True, reward_clipping=False)
-        options |= dict(
-            repeat_action_probability=kw.get("repeat_action_probability", 0.25),
-            full_action_space=kw.get("full_action_space", False),
-            max_num_frames_per_episode=kw.get("max_num_frames_per_episode", 108000),
-        )
+        options["repeat_action_probability"] = kw.get("repeat_action_probability", 0.25)
+        options["full_action_space"] = kw.get("full_action_space", False)
+        options["max_num_frames_per_episode"] = kw.get("max_num_frames_per_episode", 108000)
         self.env = AtariVectorEnv(kw["game"], num_envs, **options)
         self.num_envs, self.frame_stack = num_envs, frame_stack
         self.single_observation_space = gym.spaces.Box(0, 255, (frame_stack, 84, 84), np.uint8)
@@ -1387,10 +1347,9 @@ class NativeVectorEnv:
     def _info(self, info):
         # frame_number - episode_frame_number is constant during a game; it jumps at a reset
         self.offset = info["frame_number"].astype(np.int64) - info["episode_frame_number"]
-        out = {}
-        for key in ("lives", "episode_frame_number", "frame_number"):  # gymnasium: value + mask
-            out[key], out["_" + key] = info[key].astype(np.int64), np.ones(self.num_envs, bool)
-        return out
+        keys = ("lives", "episode_frame_number", "frame_number")  # gymnasium: value and mask
+        masks = {"_" + key: np.ones(self.num_envs, bool) for key in keys}
+        return {key: info[key].astype(np.int64) for key in keys} | masks
 
     def reset(self, seed=None):
         if seed is not None:  # an int: env i gets seed + i (as gymnasium); else one seed per env
@@ -1405,31 +1364,27 @@ class NativeVectorEnv:
         return self.step_wait()
 
     def step_async(self, actions):  # the C++ threads step while Python goes on (--async-envs)
-        # Every action is the agent's, FIRE after a lost life too: a forced FIRE would be a
-        # transition whose action the policy did not choose (benchmark/results/notes.md).
         self.env.send(np.asarray(actions, dtype=np.int64))
 
     def step_wait(self):
         frame, reward, term, trunc, info = self.env.recv()
         old_offset = self.offset
         infos = self._info(info)
-        # A game ended (game over or time limit) exactly when ale-py reset it this step: the
-        # episode frame counter restarted while the global one went on. The old game lasted
-        # offset - old_offset raw frames, as RecordEpisodeStatistics counts on the raw env.
-        game_over = self.offset != old_offset
+        game_over = self.offset != old_offset  # ale-py reset the game here (over or time limit)
         self.returns += reward
         done = term | trunc
         last = np.concatenate([self.stack[:, 1:], frame], axis=1)
         if game_over.any():  # SAME_STEP: `frame` is already the new game's first frame there
             last[game_over, -1] = info["final_obs"][game_over, 0]
-        # A new life or game starts from copies of its first frame. np.where makes a new array:
-        # an obs handed out earlier (maybe shared by a CPU tensor) is never overwritten.
+        # a new life or game starts from copies of its first frame; a new array: an obs handed
+        # out earlier (maybe shared by a CPU tensor) is never overwritten
         self.stack = np.where(done[:, None, None, None], frame, last)
         if done.any():  # as gymnasium, but final_obs is one (N, C, 84, 84) array (valid where done)
             infos.update(final_obs=last, _final_obs=done, final_info={}, _final_info=done)
             if game_over.any():
-                r, length = np.where(game_over, self.returns, 0.0), self.offset - old_offset
-                episode = {"r": r, "l": np.where(game_over, length, 0)}
+                # its length in raw frames, as make_env's RecordEpisodeStatistics counts
+                length = np.where(game_over, self.offset - old_offset, 0)
+                episode = {"r": np.where(game_over, self.returns, 0.0), "l": length}
                 infos["final_info"] = {"episode": episode, "_episode": game_over}
         self.returns[game_over] = 0.0
         return self.stack, np.sign(reward).astype(np.float64), term, trunc, infos
@@ -1439,8 +1394,7 @@ class NativeVectorEnv:
 
 
 def merge_infos(parts, sizes):
-    """--async-envs: one info dict from those of the env groups (gymnasium's layout: per-env
-    arrays and '_key' masks; where a group lacks a key, its rows are zeros / False)."""
+    """--async-envs: the groups' infos as one (a key a group lacks gives zero / False rows)."""
     out = {}
     for key in set().union(*parts):
         values = [part.get(key) for part in parts]
@@ -1448,66 +1402,50 @@ def merge_infos(parts, sizes):
             out[key] = merge_infos([v or {} for v in values], sizes)
             continue
         ref = next(v for v in values if v is not None)
-        rows = []
-        for v, n in zip(values, sizes):
-            rows.append(np.zeros((n,) + ref.shape[1:], ref.dtype) if v is None else v)
-        out[key] = np.concatenate(rows)
+        zeros = [np.zeros((n, *ref.shape[1:]), ref.dtype) for n in sizes]
+        out[key] = np.concatenate([z if v is None else v for v, z in zip(values, zeros)])
     return out
 
 
 def env_worker(*args):
-    """gymnasium's env subprocess in a session of its own: a Ctrl-C (to the terminal's process
-    group) or torchrun's signals (to the rank's) are the trainer's to handle (PREEMPTION)."""
+    """gymnasium's env subprocess in its own session: signals are the trainer's (PREEMPTION)."""
     os.setsid()
     with contextlib.suppress(BrokenPipeError):  # the trainer left without closing its envs
         gym.vector.async_vector_env._async_worker(*args)
 
 
 class RankEnvs:
-    """This rank's envs: one group, or two for --async-envs; sync or native backend; the time
-    spent waiting for the emulators in env_time. The storage holds uint8 frames, channels first:
-    anything else is refused here, at start."""
+    """This rank's envs: one group, or two for --async-envs; the time waiting for the emulators
+    in env_time. Anything but uint8 frames, channels first, is refused at start."""
 
     def __init__(self, args: Args, run_name, capture_video, threads=None):
         self.num_envs = n = args.local_num_envs
         self.groups = [range(n)] if not args.async_envs else [range(n // 2), range(n // 2, n)]
         self.threads = threads or torch.get_num_threads()  # ale-py's, per group (native)
+        env_id, stack = args.env_id, args.frame_stack
         if args.env_backend == "native":
-            self.envs = [
-                NativeVectorEnv(args.env_id, len(g), self.threads, args.frame_stack)
-                for g in self.groups
-            ]
+            self.envs = [NativeVectorEnv(env_id, len(g), self.threads, stack) for g in self.groups]
         else:
-            # SAME_STEP: no fake transition after an episode end (gymnasium 1.x's default)
-            kw = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
+            kw = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}  # no fake step after an end
             vector_env = gym.vector.SyncVectorEnv
             if args.async_envs:  # subprocesses; forkserver: never fork a process that runs CUDA
-                vector_env, kw["context"], kw["worker"] = (
-                    gym.vector.AsyncVectorEnv,
-                    "forkserver",
-                    env_worker,
-                )
-            self.envs = []
-            for g in self.groups:
-                thunks = [
-                    make_env(args.env_id, i, capture_video, run_name, args.frame_stack) for i in g
-                ]
-                self.envs.append(vector_env(thunks, **kw))
+                vector_env = gym.vector.AsyncVectorEnv
+                kw |= dict(context="forkserver", worker=env_worker)
+            thunks = [make_env(env_id, i, capture_video, run_name, stack) for i in range(n)]
+            self.envs = [vector_env(thunks[g.start : g.stop], **kw) for g in self.groups]
         self.single_observation_space = space = self.envs[0].single_observation_space
         self.single_action_space = self.envs[0].single_action_space
-        if space.dtype != np.uint8 or len(space.shape) != 3 or space.shape[0] != args.frame_stack:
+        if space.dtype != np.uint8 or len(space.shape) != 3 or space.shape[0] != stack:
             self.close()
             raise ValueError(
-                f"the rollout storage holds uint8 frames, channels first ({args.frame_stack}, H, "
-                f"W): {args.env_id} gives {space.dtype} {space.shape}"
+                f"the rollout storage holds uint8 frames, channels first ({stack}, H, W): "
+                f"{env_id} gives {space.dtype} {space.shape}"
             )
         self.env_time = 0.0
 
     def reset(self, seeds):
-        frames = []
-        for env, g in zip(self.envs, self.groups):
-            frames.append(env.reset(seed=[seeds[i] for i in g])[0])
-        return np.concatenate(frames)
+        groups = zip(self.envs, self.groups)
+        return np.concatenate([env.reset(seed=[seeds[i] for i in g])[0] for env, g in groups])
 
     def step(self, actions):
         t = time.perf_counter()
@@ -1516,8 +1454,8 @@ class RankEnvs:
         return result
 
     def act_and_step(self, policy, obs):
-        """--async-envs: the first group's envs step while the policy acts for the second. Still
-        on-policy: every action comes from the same weights. Returns policy(obs) and step()'s."""
+        """--async-envs: one group's envs step while the policy acts for the next (the same
+        weights: still on-policy). Returns policy(obs) and step()'s result."""
         outs = []
         for env, g in zip(self.envs, self.groups):
             # copies: with --cuda-graphs the next group's replay overwrites the graph's outputs
@@ -1539,44 +1477,37 @@ class RankEnvs:
 
 # ---- FAST PATH AND MIXED PRECISION (README "Performance") -------------------------------------
 def keep_freed_memory():
-    """glibc returns each freed block above its mmap threshold to the OS, so every minibatch can
-    page-fault its activations in again. Serve blocks up to 1 GiB from the heap and never trim
-    it. Returns whether glibc took both settings (False where the C library is not glibc)."""
+    """Serve blocks up to 1 GiB from glibc's heap, never trimmed, so minibatches do not page-fault
+    their activations in again. Returns whether glibc (if that is the C library) took both."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    m_mmap_threshold, m_trim_threshold = -3, -1
-    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1
-    return libc.mallopt(m_trim_threshold, 2**31 - 1) == 1 and ok
+    ok = libc.mallopt(-3, 1 << 30) == 1  # M_MMAP_THRESHOLD
+    return libc.mallopt(-1, 2**31 - 1) == 1 and ok  # M_TRIM_THRESHOLD
 
 
 def network_roles(network):
-    """The layers the fast path needs, found by role, not position: the first nn.Flatten (where
-    the convolutional part ends) and the parameter-free layer just before it in its
-    nn.Sequential (the last convolution's activation); None where the network has no such one."""
+    """(the first nn.Flatten, the parameter-free layer just before it in its nn.Sequential or
+    None): where the convolutions end, found by role, not position; (None, None) if no Flatten."""
     for parent in network.modules():
         layers = list(parent) if isinstance(parent, nn.Sequential) else []
         for i, layer in enumerate(layers):
             if isinstance(layer, nn.Flatten):
-                before = layers[i - 1] if i else None
-                if before is not None and next(before.parameters(), None) is not None:
-                    before = None
-                return layer, before
+                free = i > 0 and next(layers[i - 1].parameters(), None) is None
+                return layer, layers[i - 1] if free else None
     return None, None
 
 
 def speed_up(agent, args: Args, overlap=False, say=None):
-    """Same-math layout changes (channels-last weights; NCHW again before the last convolution's
-    activation) and the opt-in compile. `overlap`: GradBuckets all-reduces during backward
-    (several ranks). A trick the network does not fit is skipped, and `say` told so once.
-    Call BEFORE flat_grad_buffer."""
+    """Same-math layout changes and the opt-in compile (call BEFORE flat_grad_buffer); a trick the
+    network does not fit is skipped, `say` told once. `overlap`: buckets go out during backward."""
     flatten, last_activation = network_roles(agent.network)
     skipped = []
     if args.channels_last:
         agent = agent.to(memory_format=torch.channels_last)
-        # ReLU's backward is ~30x slower when its gradient (NCHW, from Flatten) and its saved
-        # output (channels-last) differ in layout: its input goes NCHW (Flatten copies so anyway)
+        # ReLU's backward is far slower when its gradient (NCHW, from Flatten) and its saved
+        # output differ in layout: its input goes NCHW (Flatten copies so anyway)
         if last_activation is not None:
             last_activation.register_forward_pre_hook(lambda _, inputs: (inputs[0].contiguous(),))
         elif any(p.dim() == 4 for p in agent.parameters()):
@@ -1585,31 +1516,21 @@ def speed_up(agent, args: Args, overlap=False, say=None):
                 "backward runs in mixed layouts (slower)"
             )
     if args.compile:
-        # The rollout's policy step and the whole loss of a (micro-)batch, network, frame
-        # conversion and statistics included (AOTAutograd compiles its backward too). Fixed
-        # shapes (dynamic=False): one graph per batch size, none per iteration. Plain attributes:
-        # the module, its state_dict keys and checkpoints stay as they are; get_value stays eager
-        # (its batch sizes vary).
-        mode = "reduce-overhead" if args.cuda_graphs else None  # inductor's CUDA graphs
-        # torch 2.13's kernel cache ignores ATEN_CPU_CAPABILITY: a kernel cached under another
-        # capability aborts the process (malloc) or gives NaN. So one default cache per
-        # capability (importing dynamo sets the variable to the shared default; a user's stays).
+        # plain attributes (state_dict unchanged); fixed shapes; get_value (sizes vary) stays eager
+        fixed = dict(dynamic=False, mode="reduce-overhead" if args.cuda_graphs else None)
+        # torch 2.13's kernel cache ignores ATEN_CPU_CAPABILITY (another capability's kernel
+        # aborts or gives NaN): one default cache per capability; a user's own dir stays.
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
             isa = torch.backends.cpu.get_cpu_capability()
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{isa}"
-        # On a CPU under --amp the eager policy step is faster: autocast casts the weights once
-        # per rollout (MAIN's one no_grad region), a compiled step casts them on every call.
+        # CPU under --amp: eager autocast casts the weights once per rollout, compiled every step
         if args.amp == "none" or next(agent.parameters()).is_cuda:
-            agent.compiled_policy = torch.compile(
-                agent.get_action_and_value, dynamic=False, mode=mode
-            )
-        agent.compiled_loss = torch.compile(ppo_loss, dynamic=False, mode=mode)
-        # AOTAutograd runs a graph's backward as one node, so in one graph no gradient is ready
-        # (and no bucket goes out) until all of backward ends. A graph break where the
-        # convolutions end, in training only, lets the later layers' buckets go out while the
-        # convolutions' backward runs, as in eager (tested).
+            agent.compiled_policy = torch.compile(agent.get_action_and_value, **fixed)
+        agent.compiled_loss = torch.compile(ppo_loss, **fixed)
+        # one graph's backward is one node (no bucket leaves before it ends): a graph break where
+        # the convolutions end, in training only, overlaps the all-reduce as eager does
         if overlap and flatten is not None:
             flatten.register_forward_pre_hook(
                 lambda *_: torch._dynamo.graph_break() if torch.is_grad_enabled() else None
@@ -1622,10 +1543,8 @@ def speed_up(agent, args: Args, overlap=False, say=None):
 
 
 def network_input(x, first_weight):
-    """Frames / 255 as the first layer takes them. With channels-last weights the uint8 frames
-    are reordered BEFORE the division (oneDNN would otherwise reorder a 4x larger float copy on
-    every call). Under --amp the layer would cast fp32 frames to the autocast dtype, so bytes go
-    straight to it: the same values, as bytes are exact there and the division rounds once."""
+    """Frames / 255 in the first layer's layout and (under --amp) dtype: uint8 is reordered
+    before the division (4x fewer bytes) and cast straight to the autocast dtype (same values)."""
     if first_weight.is_contiguous(memory_format=torch.channels_last) and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     dtype = torch.float32
@@ -1636,35 +1555,29 @@ def network_input(x, first_weight):
 
 
 def gather_frames(frames, i):
-    """frames[i] for an index tensor `i`, copied whole frame by whole frame, in the layout of
-    `frames`: index_select alone returns NCHW, and a channels-last conv would reorder it again."""
+    """frames[i] in the layout of `frames` (index_select alone returns NCHW, to reorder again)."""
     if frames.is_contiguous(memory_format=torch.channels_last):
         return frames.permute(0, 2, 3, 1).index_select(0, i).permute(0, 3, 1, 2)
     return frames.index_select(0, i)
 
 
 def frame_buffer(shape, channels_last, device):
-    """Zeroed uint8 rollout storage of `shape` (steps, envs, C, H, W), laid out as the conv
-    weights are: a minibatch gathered from it needs no reorder before the first convolution."""
+    """Zeroed uint8 rollout storage (steps, envs, C, H, W) in the conv weights' layout."""
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    flat = torch.empty(
-        (shape[0] * shape[1], *shape[2:]), dtype=torch.uint8, device=device, memory_format=layout
-    )
+    size = (shape[0] * shape[1], *shape[2:])
+    flat = torch.empty(size, dtype=torch.uint8, device=device, memory_format=layout)
     return flat.zero_().view(shape)
 
 
 def upload(array, device):
-    """A numpy array on `device` (on CPU sharing its memory); on CUDA through pinned memory with
-    non_blocking: a pageable copy would make the host wait for the GPU."""
+    """A numpy array on `device` (on CPU sharing its memory); on CUDA pinned and non_blocking."""
     tensor = torch.from_numpy(np.ascontiguousarray(array))
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 class StepUpload:
-    """A step's frames, rewards and dones to the device in ONE copy (on CUDA three pinned copies
-    and two cast kernels otherwise): packed into one reused host buffer, pinned on CUDA, with
-    rewards as float32 and dones as 0/1 floats, as the storage holds them (the same casts). On CPU
-    the tensors returned are views of that buffer, valid until the next call."""
+    """A step's frames, float32 rewards and 0/1 float dones to the device in ONE copy of one
+    reused host buffer (pinned on CUDA). On CPU the tensors are views valid until the next call."""
 
     def __init__(self, device):
         self.device, self.host, self.copied = device, None, None
@@ -1677,20 +1590,16 @@ class StepUpload:
         elif self.copied is not None:
             self.copied.synchronize()  # the last step's copy has read the buffer
         self.host[:size].view(frames.shape).copy_(torch.from_numpy(frames))
-        floats = self.host[size:].view(torch.float32)
-        floats[:n].copy_(torch.from_numpy(reward))
-        floats[n:].copy_(torch.from_numpy(done))
+        self.host[size:].view(torch.float32).copy_(torch.from_numpy(np.concatenate([reward, done])))
         out = self.host.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
-            self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied = torch.cuda.current_stream().record_event()
         floats = out[size:].view(torch.float32)
         return out[:size].view(frames.shape), floats[:n], floats[n:]
 
 
 def precision(args: Args, device):
-    """One autocast context for rollout and update, and a GradScaler that is active for fp16
-    only: the loop has no precision branches (disabled, both leave every number unchanged)."""
+    """Autocast and a GradScaler (fp16 only), no-ops where disabled: the loop never branches."""
     dtype = torch.float16 if args.amp == "fp16" else torch.bfloat16
     autocast = torch.autocast(device.type, dtype=dtype, enabled=args.amp != "none")
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -1698,9 +1607,7 @@ def precision(args: Args, device):
 
 
 def slow_bf16_warning(args: Args, device):
-    """A line for --amp bf16 on a CPU without bf16 instructions (avx512_bf16, AMX) that oneDNN
-    may use: torch then emulates bf16, several times slower than fp32. Warned, not refused: the
-    numbers are still right. None where bf16 is native (or not asked for)."""
+    """A warning line for --amp bf16 where oneDNN may emulate bf16 on this CPU (slow); else None."""
     if args.amp != "bf16" or device.type != "cpu":
         return None
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
@@ -1727,8 +1634,8 @@ def host_rss_gb():
 
 
 def gpu_util(device):
-    """NVML's utilization: % of its last sample period (1/6 to 1 s) with a kernel running. None
-    off CUDA, or without NVIDIA's management library (pynvml) and a driver that has NVML."""
+    """NVML's % of its last sample period (1/6 to 1 s) with a kernel running. None off CUDA, or
+    without NVIDIA's management library (pynvml) and a driver that has NVML."""
     try:
         return float(torch.cuda.utilization(device)) if device.type == "cuda" else None
     except Exception:
@@ -1736,9 +1643,8 @@ def gpu_util(device):
 
 
 def rank_resources(device, utils):
-    """Host RSS; on CUDA the peak memory allocated / reserved since the last call, and the mean of
-    the GPU utilization readings `utils` (taken at the rollout's end and the update's end: one
-    alone would describe only the phase before it)."""
+    """Host RSS; on CUDA the peak GPU memory since the last call and the mean of `utils` (read at
+    the rollout's and the update's end: one alone describes only the phase before it)."""
     out = {"host_rss_gb": host_rss_gb()}
     if device.type == "cuda":
         out["gpu_mem_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -1750,21 +1656,15 @@ def rank_resources(device, utils):
 
 
 def time_shares(times):
-    """Where one iteration's time went: env stepping, inference (the rest of the rollout),
-    update compute and all-reduce (waiting for slower ranks included)."""
-    total = times["rollout"] + times["update"]
-    parts = {
-        "env": times["env"],
-        "inference": times["rollout"] - times["env"],
-        "update": times["update"] - times["allreduce"],
-        "allreduce": times["allreduce"],
-    }
-    return {name: seconds / total for name, seconds in parts.items()}
+    """Where one iteration's time went (all-reduce includes waiting for slower ranks)."""
+    env, allreduce = times["env"], times["allreduce"]
+    inference, update = times["rollout"] - env, times["update"] - allreduce
+    parts = {"env": env, "inference": inference, "update": update, "allreduce": allreduce}
+    return {name: seconds / (times["rollout"] + times["update"]) for name, seconds in parts.items()}
 
 
 def busy_seconds(times):
-    """The iteration without the collectives: waiting in them makes every rank's wall time the
-    slowest one's, so only this tells the ranks' speeds apart."""
+    """The iteration without the collectives, whose waits give every rank the slowest's time."""
     return times["rollout"] + times["update"] - times["allreduce"]
 
 
@@ -1776,9 +1676,7 @@ def load_imbalance(busy):
 
 
 class Progress:
-    """Rank 0's logging of each iteration: every rank's episodes, losses and perf/* tags, and the
-    progress line at the first and last iteration and every --print-every seconds, with elapsed
-    time, ETA, SPS, recent return and the load imbalance when it matters."""
+    """Rank 0's TensorBoard tags of every rank, the progress line and the summary at the end."""
 
     def __init__(self, args: Args, start_step):
         self.args, self.start_step = args, start_step
@@ -1797,61 +1695,55 @@ class Progress:
         writer.add_scalar("charts/learning_rate", lr, global_step)
         for name, value in stats.items():
             writer.add_scalar(f"losses/{name}", value, global_step)
-        split = [r["envs"] for r in reports]
-        evs = np.array([r["explained_variance"] for r in reports])  # weighted by samples
-        ok = ~np.isnan(evs)
-        ev = np.average(evs[ok], weights=np.array(split)[ok]) if ok.any() else np.nan
+        envs, evs = np.array([[r["envs"], r["explained_variance"]] for r in reports]).T
+        ok = ~np.isnan(evs)  # weighted by samples, over the ranks that have one
+        ev = np.average(evs[ok], weights=envs[ok]) if ok.any() else np.nan
         writer.add_scalar("losses/explained_variance", ev, global_step)
         writer.add_scalar("charts/SPS", sps, global_step)
         for r, rep in enumerate(reports):
+            total = self.totals.setdefault(r, {})
             writer.add_scalar(f"perf/envs/rank{r}", rep["envs"], global_step)
             for key, seconds in rep["times"].items():
                 writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
+                total[key] = total.get(key, 0.0) + seconds
             for key, share in time_shares(rep["times"]).items():
                 writer.add_scalar(f"perf/share_{key}/rank{r}", share, global_step)
             for key, value in rep["resources"].items():
                 writer.add_scalar(f"perf/{key}/rank{r}", value, global_step)
-            total = self.totals.setdefault(r, dict.fromkeys(rep["times"], 0.0))
-            for key, seconds in rep["times"].items():
-                total[key] += seconds
-            for key, value in rep["resources"].items():
                 total[key] = max(total.get(key, 0.0), value)
         imbalance = load_imbalance([busy_seconds(rep["times"]) for rep in reports])
         writer.add_scalar("perf/imbalance", imbalance[0], global_step)
-        if len(self.iteration_seconds) < 2:  # --compile compiles in the first iteration
+        if self.args.compile and len(self.iteration_seconds) < 2:  # it compiles in iteration 1
             seconds = max(r["times"]["rollout"] + r["times"]["update"] for r in reports)
             self.iteration_seconds.append(seconds)
-            if self.args.compile and len(self.iteration_seconds) == 2:
+            if len(self.iteration_seconds) == 2:
                 first, second = self.iteration_seconds
                 print(
                     f"--compile: ~{first - second:.0f} s compiling, paid once (iteration 1 took "
                     f"{first:.1f} s, iteration 2 {second:.1f} s)",
                     flush=True,
                 )
-        line = self.line(
-            iteration, global_step, sps, self.recent_returns, self.num_episodes, imbalance
-        )
-        if line:
+        recent = self.recent_returns
+        if line := self.line(iteration, global_step, sps, recent, self.num_episodes, imbalance):
             print(line, flush=True)
 
     def line(self, iteration, global_step, sps, recent_returns, num_episodes, imbalance):
-        now, last_iteration = time.time(), iteration == self.args.num_iterations
-        first = global_step - self.start_step <= self.args.batch_size
-        if not (first or last_iteration or now - self.last >= self.args.print_every):
+        """The line at the first and last iteration and every --print-every seconds, else None."""
+        now, args = time.time(), self.args
+        first = global_step - self.start_step <= args.batch_size
+        if not (first or iteration == args.num_iterations or now - self.last >= args.print_every):
             return None
         self.last = now
         rate = (global_step - self.start_step) / max(now - self.start, 1e-9)
-        eta = (self.args.num_iterations * self.args.batch_size - global_step) / max(rate, 1e-9)
+        eta = (args.num_iterations * args.batch_size - global_step) / max(rate, 1e-9)
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "-"
-        line = (
-            f"iter {iteration}/{self.args.num_iterations} | step {global_step} | "
-            f"{clock(now - self.start)} elapsed, ETA {clock(eta)} | SPS {sps} | return "
-            f"{mean_return} (last {len(recent_returns)} of {num_episodes} episodes)"
-        )
         ratio, slow = imbalance
-        if ratio > 1.05:
-            line += f" | imbalance {ratio:.2f}: rank {slow} is slowest"
-        return line
+        slowest = f" | imbalance {ratio:.2f}: rank {slow} is slowest" if ratio > 1.05 else ""
+        return (
+            f"iter {iteration}/{args.num_iterations} | step {global_step} | "
+            f"{clock(now - self.start)} elapsed, ETA {clock(eta)} | SPS {sps} | return "
+            f"{mean_return} (last {len(recent_returns)} of {num_episodes} episodes){slowest}"
+        )
 
     def summary(self, global_step, elapsed, replicas_ok):
         """The end's lines: totals, and per-rank seconds (summed over this session) and memory."""
@@ -1872,32 +1764,25 @@ class Progress:
 
 
 class EventWriter(SummaryWriter):
-    """TensorBoard's writer, but a failed write (a full disk) never takes the run down: it warns
-    once and drops the events after it (the checkpoints decide whether the run ended well)."""
+    """A SummaryWriter whose failed write (full disk) warns once, then drops events, not the run."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        hook = threading.excepthook  # its writer thread's error comes back through safely()
+        self.failed, hook = False, threading.excepthook
 
-        def quiet(a):
+        def quiet(a):  # its writer thread's error comes back through safely()
             if type(a.thread).__name__ != "_AsyncWriterThread":
                 hook(a)
 
         threading.excepthook = quiet
 
     def safely(self, write, *args, **kwargs):
-        if getattr(self, "failed", False):
-            return
         try:
-            write(*args, **kwargs)
+            if not self.failed:
+                write(*args, **kwargs)
         except Exception as e:
             self.failed = True
-            print(
-                f"warning: TensorBoard events are no longer written: {one_line(e, 160)}; "
-                "training goes on",
-                file=sys.stderr,
-                flush=True,
-            )
+            warn(f"TensorBoard events are no longer written: {one_line(e, 160)}; training goes on")
 
     def add_scalar(self, *args, **kwargs):
         self.safely(super().add_scalar, *args, **kwargs)
@@ -1910,35 +1795,28 @@ class EventWriter(SummaryWriter):
 
 
 class CollectiveClock:
-    """`with clock:` times a block; read() returns the sum since the last read. gloo
-    blocks, so the host clock is right on CPU; NCCL calls only enqueue work, so on CUDA events
-    bracket each block and are read once per iteration: timing adds no sync per minibatch."""
+    """`with clock:` times a block; read() sums them since the last read. NCCL only enqueues, so
+    on CUDA events bracket each block, read once per iteration (no sync per minibatch)."""
 
     def __init__(self, device):
         self.cuda, self.events = device.type == "cuda", []
 
-    def __enter__(self):
-        self.mark()
-
-    def __exit__(self, *exc):
-        self.mark()
-
-    def mark(self):  # enter and exit alike: an event on CUDA, the host clock elsewhere
+    def mark(self, *exc):  # entering and leaving alike: a CUDA event, else the host clock
         if self.cuda:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[-1].record()
         else:
             self.events.append(time.perf_counter())
 
+    __enter__ = __exit__ = mark
+
     def read(self):
-        pairs = list(zip(self.events[::2], self.events[1::2]))
-        if self.cuda and pairs:
+        pairs, self.events = list(zip(self.events[::2], self.events[1::2])), []
+        if not self.cuda:
+            return sum(end - start for start, end in pairs)
+        if pairs:
             pairs[-1][1].synchronize()
-            seconds = sum(start.elapsed_time(end) for start, end in pairs) / 1000
-        else:
-            seconds = sum(end - start for start, end in pairs)
-        self.events = []
-        return seconds
+        return sum(start.elapsed_time(end) for start, end in pairs) / 1000
 
 
 def clock(seconds):
@@ -1947,10 +1825,9 @@ def clock(seconds):
 
 def gather_reports(report, world_size):
     """Every rank's report of this iteration on every rank (one all_gather_object)."""
-    if world_size == 1:
-        return [report]
-    reports = [None] * world_size
-    dist.all_gather_object(reports, report)
+    reports = [report] * world_size
+    if world_size > 1:
+        dist.all_gather_object(reports, report)
     return reports
 
 
@@ -1969,23 +1846,21 @@ def print_setup(args: Args, backend, device, torch_threads, env_threads, warning
         f"{args.minibatch_size} | grad_accum {args.grad_accum} | num_iterations "
         f"{args.num_iterations}{uneven}"
     )
-    for warning in warnings_:
-        if warning:
-            print(warning)
+    for warning in filter(None, warnings_):
+        print(warning)
 
 
 # ---- BALANCE: --balance-envs moves envs from slower ranks to faster ones (README "Uneven ranks") -
-BALANCE_AT, BALANCE_FOR, BALANCE_EVERY = 1.10, 2, 3  # move when the imbalance stayed above 1.10
-# for 2 iterations (the one after a start or a move warms up), never within 3 of the last move,
-BALANCE_GAIN = 0.05  # and only for a split predicted to cut the slowest rank's time by 5%, and
-BALANCE_MEMORY = 50  # not measured to be no faster within the last 50 iterations (no flip-flop)
+BALANCE_AT = 1.10  # move envs when the imbalance stayed above this
+BALANCE_FOR = 2  # for this many iterations (the first after a start or a move warms up),
+BALANCE_EVERY = 3  # never within this many iterations of the last move,
+BALANCE_GAIN = 0.05  # only to a split predicted to cut the slowest rank's time by this much,
+BALANCE_MEMORY = 50  # not one measured no faster within this many iterations (no flip-flop)
 
 
 class Balancer:
-    """Every rank runs the same decision on the same all-gathered times, so all apply it alike
-    (no broadcast). A rank's speed is its envs over its busy seconds; the new split gives each
-    granule of envs to the rank that would finish it first. num_envs, so the global batch and
-    every minibatch, stays: only which rank plays which games changes."""
+    """Each granule of envs goes to the rank that would finish it first; num_envs stays. Every
+    rank decides alike from the same all-gathered times (no broadcast)."""
 
     def __init__(self, args: Args, world_size):
         self.enabled = args.balance_envs and world_size > 1
@@ -2013,24 +1888,22 @@ class Balancer:
         self.measured[tuple(split)] = slowest, self.iteration
         if min(load_imbalance(b)[0] for b in window) <= BALANCE_AT:
             return None
-        speed = [n / t for n, t in zip(split, seconds)]
+        speed = [n / t for n, t in zip(split, seconds)]  # envs per busy second
         new = [self.min_envs] * len(split)
         for _ in range((sum(split) - sum(new)) // self.granule):
             r = min(range(len(new)), key=lambda r: (new[r] + self.granule) / speed[r])
             new[r] += self.granule
         predicted = [n / v for n, v in zip(new, speed)]
+        goal = (1 - BALANCE_GAIN) * slowest
         was, when = self.measured.get(tuple(new), (0.0, -BALANCE_MEMORY))
-        if max(predicted) > (1 - BALANCE_GAIN) * slowest:
-            return None
-        if self.iteration - when < BALANCE_MEMORY and was > (1 - BALANCE_GAIN) * slowest:
+        if max(predicted) > goal or (self.iteration - when < BALANCE_MEMORY and was > goal):
             return None
         self.since_move = []
         return new, load_imbalance(seconds)[0], load_imbalance(predicted)[0]
 
 
 def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
-    """Apply a split on this rank: its local sizes, and new envs if its own count changed (fresh
-    games: start_rollouts gives them seeds). Returns (envs, whether they are new)."""
+    """Apply a split on this rank: local sizes, fresh envs if its count changed; (envs, new?)."""
     args.rank_envs, n = list(split), split[rank]
     args.local_num_envs, args.local_batch_size = n, n * args.num_steps
     args.local_minibatch_size = args.local_batch_size // args.num_minibatches
@@ -2042,14 +1915,13 @@ def resize_envs(envs, args: Args, split, rank, run_name, capture_video):
 
 # ---- RUN-TIME CHECKS ---------------------------------------------------------------------------
 def check_iteration(params, buckets, scaler, iteration, global_step, rank, world_size):
-    """Stop before non-finite numbers reach a checkpoint (the values are all-reduced, so every
-    rank reaches the same verdict; under fp16 the scaler skips inf gradients by itself), and
-    before a broken flat buffer silently stops the gradient averaging."""
-    grads = buckets.flat[: buckets.flat.numel() - len(LOSS_STATS)]
+    """Stop before NaN/inf reaches a checkpoint or a broken flat buffer stops gradient averaging
+    (the values are all-reduced: every rank reaches the same verdict)."""
     where = f"at iteration {iteration}, global step {global_step}"
     if not torch.isfinite(buckets.stats).all():
         values = ", ".join(f"{k}={v:g}" for k, v in zip(LOSS_STATS, buckets.stats.tolist()))
         fail(f"non-finite loss {where}: {values}", rank, world_size)
+    grads = buckets.flat[: -len(LOSS_STATS)]  # fp16: the scaler skips inf gradients by itself
     if not scaler.is_enabled() and not torch.isfinite(grads).all():
         fail(f"non-finite gradient {where}", rank, world_size)
     if not grads_in_buffer(params, buckets.flat):
