@@ -1593,7 +1593,8 @@ class StepUpload:
         self.host[size:].view(torch.float32).copy_(torch.from_numpy(np.concatenate([reward, done])))
         out = self.host.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
-            self.copied = torch.cuda.current_stream().record_event()
+            self.copied = torch.cuda.Event()
+            self.copied.record()
         floats = out[size:].view(torch.float32)
         return out[:size].view(frames.shape), floats[:n], floats[n:]
 
