@@ -1240,7 +1240,7 @@ class Preemption:
 
     def note(self, signum, frame):
         name = signal.Signals(signum).name
-        # within a second it is the same Ctrl-C (terminal, launcher); later, even torchrun's SIGTERM
+        # within 1 s it is the same Ctrl-C (terminal, launcher); torchrun turns a 2nd into SIGTERM
         if self.signalled and "SIGINT" in (name, self.signalled) and time.time() - self.since > 1:
             if self.master:
                 os.write(2, b"stopped at once (a second signal); the last checkpoint is intact\n")
@@ -1272,8 +1272,8 @@ class Preemption:
 
 # ---- EVALUATION: full games with the final (or a saved) model ---------------------------------
 def evaluate(agent, args: Args, device, run_name, max_envs=16):
-    """Returns of --eval-episodes full games (all lives) through the training pipeline; each env
-    plays as many games, so short games are not over-represented."""
+    """Returns of --eval-episodes full games (all lives; FIRE after a lost life, as in training);
+    each env plays as many games, so short games are not over-represented."""
     episodes, n_envs = args.eval_episodes, min(args.eval_episodes, max_envs)
     quota = math.ceil(episodes / n_envs)
     thunks = [
