@@ -938,9 +938,8 @@ def identity(args: Args):
 
 
 def choose_run_name(args: Args):
-    """--run-name if given. With `--resume auto`, a name made from the run's identity: the same
-    command restarted finds its own run, another configuration never does. Otherwise a new
-    timestamped directory, made here so that no other launch can take it."""
+    """--run-name; with `--resume auto` a name from the run's identity, so the same command finds
+    its own run; else a new timestamped directory, made here so no other launch takes it."""
     if args.run_name is not None:
         return args.run_name
     prefix = f"{args.env_id}__{args.exp_name}__{args.seed}__"
@@ -950,29 +949,25 @@ def choose_run_name(args: Args):
     stamp, n = f"{prefix}{int(time.time())}", 1
     while True:
         name = stamp if n == 1 else f"{stamp}-{n}"
-        try:
+        with contextlib.suppress(FileExistsError):  # another launch in the same second
             os.makedirs(f"runs/{name}")
             return name
-        except FileExistsError:  # another launch in the same second
-            n += 1
+        n += 1
 
 
 def checkpoint_files(ckpt_dir):
-    """Checkpoints ordered by the global step in their name: iterations are not comparable
-    across resumes with another global batch, steps are."""
+    """Oldest first by the global step in the name (iterations differ across global batches)."""
     found = glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt"))
     return sorted(found, key=lambda path: int(os.path.basename(path)[5:-3]))
 
 
 def latest_checkpoint(ckpt_dir):
-    found = checkpoint_files(ckpt_dir)
-    return found[-1] if found else None
+    return next(reversed(checkpoint_files(ckpt_dir)), None)
 
 
 def save_file(obj, path):
-    """torch.save to a temp file, fsync, then rename: a crash or a full disk mid-write leaves
-    the older file intact and no partial one (any error, e.g. torch's zip writer's RuntimeError
-    after the OSError, removes the temp file and is raised as the OSError that caused it)."""
+    """torch.save to a temp file, fsync, rename: a crash or full disk mid-write leaves the older
+    file intact. Any error removes the temp file and is raised as the OSError behind it."""
     try:
         with open(path + ".tmp", "wb") as f:
             torch.save(obj, f)
@@ -982,7 +977,7 @@ def save_file(obj, path):
         dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)  # the rename itself durable
         os.fsync(dir_fd)
         os.close(dir_fd)
-    except Exception as e:
+    except Exception as e:  # e.g. torch's zip writer's RuntimeError after the OSError
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
         cause = e
@@ -992,8 +987,7 @@ def save_file(obj, path):
 
 
 def save_checkpoint(ckpt, ckpt_dir, keep):
-    """A new checkpoint (save_file), then the oldest beyond `keep` removed; a temp file left by a
-    crash is removed first (rank 0 is the only writer; no resume or pruning reads *.tmp)."""
+    """save_file a new checkpoint, then prune to `keep`; a *.tmp a crash left goes first."""
     os.makedirs(ckpt_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(ckpt_dir, "*.tmp")):
         os.remove(stale)
@@ -1009,55 +1003,40 @@ def load_checkpoint(path, agent):
     """A checkpoint (or a bare model state_dict) that fits `agent`, or ValueError. Tensors only
     (weights_only): a file that holds other objects is refused before anything in it runs."""
     try:
-        with warnings.catch_warnings():  # torch's own lines about pickle: ours says it all
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):  # torch's lines on pickle: ours say it all
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ValueError(f"checkpoint {path} does not exist")
     except pickle.UnpicklingError as e:
-        if "unsupported global" not in str(e).lower() and not names_objects(path):
+        ops = []  # the whole pickle's opcodes, read and never run (garbage or truncated: none)
+        with contextlib.suppress(Exception), open(path, "rb") as f:
+            ops = [op.name for op, _, _ in pickletools.genops(f)]
+        builds = {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE"}.intersection(ops)
+        if "unsupported global" not in str(e).lower() and not builds:
             raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?)")
         raise ValueError(
             f"checkpoint {path} holds objects other than tensors: refused, nothing "
             "from it was run (load only files you trust, by other means)"
         )
     except Exception as e:
-        raise ValueError(
-            f"checkpoint {path} is unreadable (truncated or corrupt?): "
-            f"{type(e).__name__}: {one_line(e, 160)}"
-        )
+        error = f"{type(e).__name__}: {one_line(e, 160)}"
+        raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?): {error}")
     ckpt = ckpt if isinstance(ckpt, dict) and "model" in ckpt else {"model": ckpt}
     model, own = ckpt["model"], agent.state_dict()
     if not isinstance(model, dict) or "actor.weight" not in model:
         raise ValueError(f"checkpoint {path} holds no PPO Atari model")
-    if model["actor.weight"].shape[0] != own["actor.weight"].shape[0]:
+    n, own_n = len(model["actor.weight"]), len(own["actor.weight"])
+    if n != own_n:
         env_id = ckpt.get("args", {}).get("env_id", "unknown env")
         raise ValueError(
-            f"checkpoint {path} was trained with {model['actor.weight'].shape[0]} actions "
-            f"({env_id}); this env has {own['actor.weight'].shape[0]}"
+            f"checkpoint {path} was trained with {n} actions ({env_id}); this env has {own_n}"
         )
-    bad = [
-        k
-        for k in own.keys() | model.keys()
-        if k not in own or model.get(k) is None or model[k].shape != own[k].shape
-    ]
-    if bad:
-        first = sorted(bad)[0]
-        saw = tuple(model[first].shape) if first in model else "missing"
-        want = tuple(own[first].shape) if first in own else "not in this network"
-        raise ValueError(f"checkpoint {path} does not fit the network: {first} {saw} vs {want}")
+    for k in sorted(own.keys() | model.keys()):
+        if k not in own or model.get(k) is None or model[k].shape != own[k].shape:
+            saw = tuple(model[k].shape) if k in model else "missing"
+            want = tuple(own[k].shape) if k in own else "not in this network"
+            raise ValueError(f"checkpoint {path} does not fit the network: {k} {saw} vs {want}")
     return ckpt
-
-
-def names_objects(path):
-    """Whether a file torch's safe loader refused is a whole pickle that names Python objects
-    (which loading would build or call): read with pickletools, never run."""
-    try:
-        with open(path, "rb") as f:
-            ops = [op.name for op, _, _ in pickletools.genops(f)]
-    except Exception:  # not a pickle: garbage, or truncated
-        return False
-    return any(op in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE") for op in ops)
 
 
 def resume_problem(ckpt, path, args: Args):
@@ -1068,12 +1047,9 @@ def resume_problem(ckpt, path, args: Args):
             "cannot continue from it: resume from runs/<run>/checkpoints/ckpt_*.pt, or play "
             "it with --eval-checkpoint"
         )
-    saved = ckpt.get("args", {})
-    changed = [  # a field the checkpoint predates had its default then
-        f"{flag(k)} {saved.get(k, getattr(Args, k, None))} -> {v}"
-        for k, v in identity(args).items()
-        if saved.get(k, getattr(Args, k, None)) != v
-    ]
+    saved, now = ckpt.get("args", {}), identity(args)
+    was = {k: saved.get(k, getattr(Args, k, None)) for k in now}  # older files: the defaults
+    changed = [f"{flag(k)} {was[k]} -> {v}" for k, v in now.items() if was[k] != v]
     if changed:
         return (
             f"{path} was trained with other flags ({', '.join(changed)}): resume with the saved "
@@ -1083,18 +1059,18 @@ def resume_problem(ckpt, path, args: Args):
 
 
 class Checkpointer:
-    """Owns runs/<run_name>/checkpoints: when to save, what a checkpoint holds, resume, and the
-    run's training time summed over restarts (for honest SPS after a resume)."""
+    """runs/<run_name>/checkpoints: saves, resume, and the training time summed over restarts
+    (for honest SPS after a resume)."""
 
     def __init__(self, args: Args, run_name, rank, world_size):
         self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
         self.rank, self.world_size = rank, world_size
-        self.elapsed_before, self.save_error, self.lock, self.split = 0.0, None, None, None
+        self.save_error, self.lock, self.split = None, None, None
         self.start = self.last_save = time.time()
 
     def lock_run_dir(self):
-        """Rank 0 locks runs/<run_name>/lock (the kernel drops it when the process ends, however)
-        and so checks that the run directory can be written; the verdict stops every rank."""
+        """Rank 0 locks runs/<run_name>/lock (released when its process ends, however) and so
+        checks that the run directory can be written; the verdict stops every rank."""
         error, lock = None, f"runs/{self.run_name}/lock"
         if self.rank == 0:
             try:
@@ -1109,37 +1085,28 @@ class Checkpointer:
             except OSError as e:
                 error = f"cannot write the run directory runs/{self.run_name}: {one_line(e, 160)}"
                 if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # e.g. NFS, no lockd
-                    print(
-                        f"warning: {lock} is on a filesystem without locks: a second launch of "
-                        "this run will not be refused",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    warn(f"{lock} is on a filesystem without locks: a second launch is not refused")
                     error = None
         if error := broadcast_object(error, self.world_size > 1):
             fail(error, self.rank, self.world_size)
 
     def elapsed(self):
-        return self.elapsed_before + time.time() - self.start
+        return time.time() - self.start
 
     def resume(self, agent, optimizer, scaler):
-        """Load --resume into the (already built) agent, optimizer and scaler on every rank;
-        return the global step to continue from (0: a fresh start). One rank reads the file and
-        broadcasts it, so nodes need no shared disk: rank 0, or with auto the lowest rank whose
-        node holds the newest checkpoint. A bad file stops every rank (with auto: when no older
-        one loads either); a finished run ends here with exit code 0."""
+        """Load --resume into agent, optimizer and scaler on every rank; return the global step to
+        continue from (0: a fresh start). A finished run ends here with exit code 0."""
         self.start = self.last_save = time.time()  # training time starts here, not at env setup
         if not self.args.resume:
             return 0
-        ckpt, error, path, auto = None, None, None, self.args.resume == "auto"
-        holder, newest = 0, [int(os.path.basename(f)[5:-3]) for f in checkpoint_files(self.dir)]
+        auto, files, holder = self.args.resume == "auto", checkpoint_files(self.dir), 0
         if auto and self.world_size > 1:  # after a requeue rank 0 may be on another node
             steps = [None] * self.world_size
-            dist.all_gather_object(steps, max(newest, default=-1))
-            holder = steps.index(max(steps))
-        if self.rank == holder:
-            tried = []
-            for path in reversed(checkpoint_files(self.dir)) if auto else [self.args.resume]:
+            dist.all_gather_object(steps, int(os.path.basename(files[-1])[5:-3]) if files else -1)
+            holder = steps.index(max(steps))  # the lowest rank whose node has the newest file
+        ckpt, error, path = None, None, None
+        if self.rank == holder:  # it reads and broadcasts: the nodes need no shared disk
+            for path in reversed(files) if auto else [self.args.resume]:
                 try:
                     ckpt = load_checkpoint(path, agent)
                     error = resume_problem(ckpt, path, self.args)
@@ -1148,11 +1115,11 @@ class Checkpointer:
                 if error is None or not auto:
                     break
                 print(f"warning: skipped {error}", flush=True)
-                tried.append(os.path.basename(path))
-            if tried and error:
+            if auto and error:  # every file was tried
+                tried = ", ".join(os.path.basename(f) for f in reversed(files))
                 error = (
-                    f"no checkpoint in {self.dir} loads (tried {', '.join(tried)}); nothing "
-                    "was overwritten: move them away, or use another --run-name, to start over"
+                    f"no checkpoint in {self.dir} loads (tried {tried}); nothing was overwritten: "
+                    "move them away, or use another --run-name, to start over"
                 )
         found = (ckpt, error, path, socket.gethostname())
         ckpt, error, path, host = broadcast_object(found, self.world_size > 1, src=holder)
@@ -1160,35 +1127,31 @@ class Checkpointer:
             fail(error, self.rank, self.world_size)
         if ckpt is None:
             return 0
-        step, total = ckpt["global_step"], self.args.num_iterations * self.args.batch_size
-        if step >= total:
+        step = ckpt["global_step"]
+        if step >= self.args.num_iterations * self.args.batch_size:
             if self.rank == 0:
                 print(f"run {self.run_name} is complete ({path}, step {step}): nothing to do")
             leave(0, self.world_size > 1)
         agent.load_state_dict(ckpt["model"])  # in place: the gradient views stay valid
-        # the saved param groups carry the Adam kernel flags of the trainer that wrote them, and
-        # load_state_dict places each `step` by them: write this trainer's flags in first
+        # load_state_dict places each Adam `step` by the saved groups' kernel flags: use ours
         for group in ckpt["optimizer"]["param_groups"]:
             group.update({k: optimizer.param_groups[0][k] for k in ("fused", "foreach")})
         optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
-        same_world = ckpt["world_size"] == self.world_size
-        self.split = ckpt["args"].get("rank_envs") if same_world else None  # --balance-envs
-        self.elapsed_before = ckpt["elapsed"]
+        if ckpt["world_size"] == self.world_size:  # --balance-envs resumes the saved split
+            self.split = ckpt["args"].get("rank_envs")
+        self.start -= ckpt["elapsed"]  # the run's training time before this restart
         seed_everything(self.args.seed + self.rank + step)  # random streams no start has used
         if self.rank == 0:
             where = f" (on {host}, rank {holder}'s node)" if holder else ""
-            print(
-                f"resumed {path}{where}: iteration {step // self.args.batch_size + 1}, global step "
-                f"{step}; environments start fresh"
-            )
+            at = f"iteration {step // self.args.batch_size + 1}, global step {step}"
+            print(f"resumed {path}{where}: {at}; environments start fresh")
         return step
 
     def maybe_save(self, iteration, global_step, agent, optimizer, scaler, now=False):
-        """Rank 0: save every --save-interval iterations, every --save-minutes, at the end, and
-        `now` (preemption). Returns the path written, or None: a failed save (full disk, I/O
-        error) warns and training goes on, a failed final save is left in save_error for MAIN."""
+        """Rank 0: save every --save-interval iterations and --save-minutes, at the end, and `now`.
+        The path, or None: a failed save warns and training goes on; a final one sets save_error."""
         a = self.args
         due = (
             now
@@ -1197,17 +1160,10 @@ class Checkpointer:
             or (a.save_minutes and time.time() - self.last_save > 60 * a.save_minutes)
         )
         if not due:
-            return
-        ckpt = {
-            "model": agent.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
-            "iteration": iteration,
-            "global_step": global_step,
-            "args": vars(a),
-            "world_size": self.world_size,
-            "elapsed": self.elapsed(),
-        }
+            return None
+        ckpt = {"model": agent.state_dict(), "optimizer": optimizer.state_dict()}
+        ckpt |= {"scaler": scaler.state_dict(), "iteration": iteration, "global_step": global_step}
+        ckpt |= {"args": vars(a), "world_size": self.world_size, "elapsed": self.elapsed()}
         try:
             path = save_checkpoint(ckpt, self.dir, a.keep_checkpoints)
         except OSError as e:  # the older checkpoints are intact: the next save tries again
@@ -1217,7 +1173,7 @@ class Checkpointer:
                 last = f"the last good one is {last}" if last else "no checkpoint of it was saved"
                 self.save_error = f"the final {error}; {last}"
             else:
-                print(f"warning: {error}; the next save tries again", file=sys.stderr, flush=True)
+                warn(f"{error}; the next save tries again")
             return None
         self.last_save = time.time()
         return path
@@ -1229,10 +1185,8 @@ INTERRUPTED = 130  # 128 + SIGINT: what a shell reports after a Ctrl-C
 
 
 class Preemption:
-    """Notes a scheduler's warning signal or a Ctrl-C; the loop polls `signalled` once per
-    iteration, and the ranks agree through the per-iteration report gather (signals reach them at
-    other times). After a Ctrl-C a second signal exits at once: torchrun answers a second Ctrl-C
-    with SIGTERM, and checkpoints are atomic, so the last one stays intact."""
+    """Notes a scheduler's warning signal or a Ctrl-C, polled once per iteration (the ranks agree
+    in the report gather). After a Ctrl-C a second signal exits at once (checkpoints are atomic)."""
 
     def __init__(self, master_process, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)):
         self.master, self.signalled, self.since = master_process, None, 0.0
@@ -1245,7 +1199,7 @@ class Preemption:
 
     def note(self, signum, frame):
         name = signal.Signals(signum).name
-        # within a second it is the same Ctrl-C, sent by the terminal and forwarded by a launcher
+        # within 1 s it is the same Ctrl-C (terminal, launcher); torchrun turns a 2nd into SIGTERM
         if self.signalled and "SIGINT" in (name, self.signalled) and time.time() - self.since > 1:
             if self.master:
                 os.write(2, b"stopped at once (a second signal); the last checkpoint is intact\n")
@@ -1254,20 +1208,19 @@ class Preemption:
             self.signalled, self.since = name, time.time()
 
     def exit_after_save(self, stopped, saved, args: Args, distributed):
-        """After rank 0's save: every rank exits INTERRUPTED if each signal was a Ctrl-C, else
+        """After rank 0's save every rank exits INTERRUPTED if each signal was a Ctrl-C, else
         PREEMPTED; rank 0 says what it saved and the command that continues the run."""
         code = INTERRUPTED if all(s.endswith("SIGINT") for s in stopped) else PREEMPTED
         if self.master:
             what = "interrupted" if code == INTERRUPTED else "preempted"
             saved = f"saved {saved}" if saved else "not saved (see above)"
             # the same flags; `auto` finds a run by its flags, any other run needs its name
-            again = (
+            more = (
                 [] if args.resume == "auto" else ["--run-name", args.run_name, "--resume", "auto"]
             )
-            launcher = "torchrun ..." if distributed else "python"
+            again = ("torchrun ... " if distributed else "python ") + shlex.join(sys.argv + more)
             print(
-                f"{what} ({', '.join(stopped)}): {saved}; exit {code}, continue with: "
-                f"{launcher} {shlex.join(sys.argv + again)}",
+                f"{what} ({', '.join(stopped)}): {saved}; exit {code}, continue with: {again}",
                 flush=True,
             )
         WHERE["phase"] = "exit"
@@ -1278,11 +1231,9 @@ class Preemption:
 
 # ---- EVALUATION: full games with the final (or a saved) model ---------------------------------
 def evaluate(agent, args: Args, device, run_name, max_envs=16):
-    """Real game returns of --eval-episodes full games, played through the training pipeline
-    (after a lost life FIRE is pressed as in training; a game counts at game over, with all its
-    lives). Each env plays the same number of games, so short games are not over-represented."""
-    episodes = args.eval_episodes
-    n_envs = min(episodes, max_envs)
+    """Returns of --eval-episodes full games (all lives; FIRE after a lost life, as in training);
+    each env plays as many games, so short games are not over-represented."""
+    episodes, n_envs = args.eval_episodes, min(args.eval_episodes, max_envs)
     quota = math.ceil(episodes / n_envs)
     thunks = [
         make_env(args.env_id, i, args.capture_video, f"{run_name}-eval", args.frame_stack)
@@ -1290,12 +1241,10 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
     ]
     envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     games = [[] for _ in range(n_envs)]
-    next_obs, _ = envs.reset(
-        seed=env_seeds(args.seed + 10**6, 0, n_envs)
-    )  # games unseen in training
+    # seeds no training env uses: games unseen in training
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed + 10**6, 0, n_envs))
     while min(len(g) for g in games) < quota:
-        with torch.inference_mode():
-            # eager: --compile would compile this batch size
+        with torch.inference_mode():  # eager: --compile would compile this batch size
             action = agent.get_action_and_value(torch.as_tensor(next_obs, device=device))[0]
         next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
         if "final_info" in infos and "episode" in infos["final_info"]:
@@ -1318,10 +1267,8 @@ def evaluate_checkpoint(args: Args, device, rank, world_size):
         fail(e, rank, world_size)
     returns = evaluate(agent, args, device, os.path.basename(args.eval_checkpoint))
     games = f"{len(returns)} episodes, return {np.mean(returns):.2f} +- {np.std(returns):.2f}"
-    print(
-        f"eval {args.eval_checkpoint} on {args.env_id}: {games} (min {min(returns):g}, max "
-        f"{max(returns):g})"
-    )
+    spread = f"(min {min(returns):g}, max {max(returns):g})"
+    print(f"eval {args.eval_checkpoint} on {args.env_id}: {games} {spread}")
 
 
 # ---- ENV BACKENDS: sync / native, and --async-envs double buffering ---------------------------
