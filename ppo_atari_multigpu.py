@@ -381,10 +381,9 @@ def normalize_advantages(adv, world_size):
     return (adv - mean.float()) / (std.float() + 1e-8)
 
 
-# The loss statistics, as they travel at the end of the flat gradient buffer, and their TensorBoard
-# tags under losses/. Each must be a per-sample MEAN over the (micro-)batch: weighted by its share,
-# summed over micro-batches and ranks, it is the global minibatch's mean. A new one: name it here,
-# set it in ppo_loss.
+# The loss statistics (TensorBoard tags losses/<name>), carried at the end of the flat gradient
+# buffer. Each must be a per-sample MEAN over the (micro-)batch: weighted by its share and summed
+# over micro-batches and ranks, it is the global minibatch's mean. Add one here and in ppo_loss.
 LOSS_STATS = ("policy_loss", "value_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac")
 
 
