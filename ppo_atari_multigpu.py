@@ -1536,7 +1536,9 @@ class StepUpload:
         elif self.copied is not None:
             self.copied.synchronize()  # the last step's copy has read the buffer
         self.host[:size].view(frames.shape).copy_(torch.from_numpy(frames))
-        self.host[size:].view(torch.float32).copy_(torch.from_numpy(np.concatenate([reward, done])))
+        floats = self.host[size:].view(torch.float32)
+        floats[:n].copy_(torch.from_numpy(reward))
+        floats[n:].copy_(torch.from_numpy(done))
         out = self.host.to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()
