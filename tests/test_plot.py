@@ -232,3 +232,39 @@ def test_time_split_skips_runs_without_perf_tags_and_writes_no_png_if_none_has_t
     )
     assert plot.plot_time_split(plot.discover_runs(str(runs)), out / "time_split.png") == 1
     assert (out / "time_split.png").read_bytes().startswith(PNG_MAGIC)
+
+
+# ---- benchmark/long_results.py: the long-run table and the per-hour figure ----
+_spec = importlib.util.spec_from_file_location(
+    "long_results", Path(__file__).resolve().parents[1] / "benchmark" / "long_results.py"
+)
+long_results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(long_results)
+
+
+def test_long_run_table_counts_resumes_and_catches_a_step_logged_twice(tmp_path):
+    run = tmp_path / "Pong__long__1"
+    # a first start to step 300, then a resume from step 200 (its file supersedes 200 on)
+    first = [(plot.RETURN, s, -21.0, T0 + s) for s in (100, 200, 300)]
+    write_events(run, first + [(plot.SPS, s, 300.0, T0 + s) for s in (100, 200, 300)], ".a")
+    again = [(plot.RETURN, s, -20.0, T0 + 1000 + s) for s in (200, 300, 400)]
+    write_events(run, again + [(plot.SPS, s, 300.0, T0 + 1000 + s) for s in (200, 300, 400)], ".b")
+    table = long_results.long_runs([str(run)], str(tmp_path))
+    row = table.splitlines()[-1].split(" | ")
+    assert row[1:4] == ["400", "0.06", "1"]  # steps; 200 s: the superseded time not counted
+    assert row[-1] == "True |"  # load_run dropped the first file's steps >= 200
+    assert (tmp_path / "long_runs.png").read_bytes().startswith(PNG_MAGIC)
+    dup = tmp_path / "Pong__dup__1"  # one file that logs step 200 twice
+    write_events(dup, [(plot.RETURN, 100, 1.0, T0)] + [(plot.SPS, 200, 1.0, T0)] * 2)
+    assert long_results.long_runs([str(dup)], str(tmp_path)).splitlines()[-1].endswith("False |")
+
+
+def test_hours_to_a_return_are_the_first_step_of_the_rolling_mean_over_the_given_sps(tmp_path):
+    # the 20-episode rolling mean of 20 zeros, then 20s reaches 10 at the 10th 20 (episode 30)
+    write_run(tmp_path, "Breakout__fast__1__1764670000", [0.0] * 20 + [20.0] * 20)
+    write_run(tmp_path, "Breakout__slow__1__1764670000", [0.0] * 40)
+    table = long_results.per_hour(str(tmp_path), {"fast": 3000 / 3600, "slow": 1.0}, 10, tmp_path)
+    rows = {r.split(" | ")[0][2:]: r.split(" | ") for r in table.splitlines()[2:]}
+    assert rows["fast"][3] == "1.00"  # episode 30 ends at step 3000: 3000 / (3000 / 3600 SPS)
+    assert rows["slow"][3] == "not reached"
+    assert (tmp_path / "returns_vs_hours.png").read_bytes().startswith(PNG_MAGIC)
