@@ -35,6 +35,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def inductor_cache(tmp_path_factory):
+    """One inductor cache for the whole session (runs started by the tests inherit it): a graph
+    one test compiled is not built again by the next. New in every session, so it never serves
+    a kernel built under another ISA (torch 2.13's cache ignores ATEN_CPU_CAPABILITY)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
+        yield
+
+
 @pytest.fixture
 def run_trainer(tmp_path):
     """Run the trainer (plain python or torchrun) in tmp_path; returns the CompletedProcess."""

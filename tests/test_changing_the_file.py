@@ -124,13 +124,6 @@ def impala_copy(tmp_path_factory):
     return edited_copy(tmp_path_factory.mktemp("impala"), IMPALA_EDIT)
 
 
-@pytest.fixture
-def inductor_cache(tmp_path, monkeypatch):
-    """A fresh inductor cache, as test_fast_path.py gives each compile test: torch 2.13 serves a
-    kernel built for another ISA from a shared one (runs started from the test inherit it)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
-
-
 def frames_and_batch(n, seed=0):
     """A rollout-like batch: uint8 frames stored as the trainer stores them (channels-last
     storage of (n // 2 steps, 2 envs)), actions, old log-probs, advantages, returns, values."""
@@ -177,7 +170,7 @@ def test_impala_trains_with_two_ranks_grad_accum_and_the_native_backend(run_trai
 
 
 def test_impala_compiled_loss_with_several_ranks_sends_fc_gradient_before_conv_backward_ends(
-    monkeypatch, inductor_cache
+    monkeypatch,
 ):
     # as test_fast_path.py checks for the default network: with `overlap` (several ranks) the
     # graph break at nn.Flatten lets the post-Flatten layer's gradient (and so its bucket) out
@@ -195,17 +188,18 @@ def test_impala_compiled_loss_with_several_ranks_sends_fc_gradient_before_conv_b
     buckets = ppo.GradBuckets(params, flat, args.bucket_mb, 1)
     conv_done = []  # at each fc gradient: is the first conv's already in the buffer?
     fc.register_post_accumulate_grad_hook(lambda _: conv_done.append(bool(first_conv.grad.any())))
-    batch, inds = frames_and_batch(32), torch.arange(16)
+    # the 2-rank compiled run's local batch (64) and minibatch (32): its ranks reuse these graphs
+    batch, inds = frames_and_batch(64), torch.arange(32)
     autocast, scaler = ppo.precision(args, CPU)
     coef = ppo.loss_coefficients(args, CPU)
     ppo.minibatch_gradient(agent, args, coef, batch, inds, buckets, autocast, scaler)
     with torch.compiler.set_stance("fail_on_recompile"):  # the break costs no recompilation
-        ppo.minibatch_gradient(agent, args, coef, batch, inds + 16, buckets, autocast, scaler)
+        ppo.minibatch_gradient(agent, args, coef, batch, inds + 32, buckets, autocast, scaler)
     assert conv_done == [False, False]
     assert first_conv.grad.abs().sum() > 0  # ... and it did arrive, after
 
 
-def test_impala_trains_compiled_with_two_ranks(run_trainer, impala_copy, inductor_cache):
+def test_impala_trains_compiled_with_two_ranks(run_trainer, impala_copy):
     out = run_trainer(
         *tiny(ranks=2),
         "--compile",
@@ -468,9 +462,7 @@ def test_changing_a_coefficient_in_place_changes_the_eager_loss():
     torch.testing.assert_close(loss0 - loss1, (0.5 - args.ent_coef) * entropy)
 
 
-def test_changing_a_coefficient_in_place_changes_the_compiled_loss_without_a_recompile(
-    inductor_cache,
-):
+def test_changing_a_coefficient_in_place_changes_the_compiled_loss_without_a_recompile():
     torch._dynamo.reset()
     torch.manual_seed(0)
     agent = ppo.speed_up(ppo.Agent((4, 84, 84), N_ACTIONS), ppo.Args(compile=True))

@@ -144,18 +144,13 @@ def test_losing_the_gradient_views_is_detected():
     assert not ppo.grads_in_buffer(params, flat)
 
 
-def test_compiled_run_trains_and_saves_a_checkpoint_a_plain_agent_loads(
-    run_trainer, tmp_path, monkeypatch
-):
+def test_compiled_run_trains_and_saves_a_checkpoint_a_plain_agent_loads(run_trainer, tmp_path):
     # torch.compile's CPU backend (inductor) builds C++: the compiler it runs is $CXX, else g++
     cxx = os.environ.get("CXX", "g++")
     assert shutil.which(cxx), (
         f"--compile needs a C++ compiler and {cxx!r} is not on PATH "
         "(install g++, e.g. apt-get install g++, or set CXX to one)"
     )
-    # a cache of its own, as on a fresh machine: torch 2.13 reuses kernels that an earlier run
-    # built for another ISA (e.g. AVX-512, then ATEN_CPU_CAPABILITY=avx2): their losses are NaN
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
     out = run_trainer(
         "--no-cuda",
         "--local-num-envs",
@@ -303,10 +298,7 @@ def test_the_nchw_relu_before_flatten_leaves_the_gradient_bit_identical():
     assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
 
 
-def test_the_fast_path_finds_its_layers_by_role_and_says_once_what_a_network_lacks(
-    monkeypatch, tmp_path
-):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+def test_the_fast_path_finds_its_layers_by_role_and_says_once_what_a_network_lacks():
     network = new_agent().network  # nature_cnn: ..., conv3, ReLU, Flatten, fc, ReLU
     flatten, last_activation = ppo.network_roles(network)
     assert flatten is network[6] and last_activation is network[5]
@@ -375,12 +367,7 @@ def test_one_step_upload_gives_the_storage_the_values_of_separate_uploads_with_c
         assert torch.equal(rewards, expected) and torch.equal(dones, upload(done).float())
 
 
-def test_compiled_loss_and_policy_step_are_one_graph_each_equal_eager_and_never_recompile(
-    monkeypatch, tmp_path
-):
-    monkeypatch.setenv(
-        "TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache")
-    )  # own cache: see above
+def test_compiled_loss_and_policy_step_are_one_graph_each_equal_eager_and_never_recompile():
     eager_grads, grads = [], []
     expected = optimized(3, ppo.Args(), eager_grads)
     torch.manual_seed(0)
@@ -412,13 +399,10 @@ def test_compiled_loss_and_policy_step_are_one_graph_each_equal_eager_and_never_
     assert_equal_to_rounding(value, eager[3], rel=1e-4)
 
 
-def test_compiled_loss_with_several_ranks_frees_fc_gradient_before_the_conv_backward(
-    monkeypatch, tmp_path
-):
+def test_compiled_loss_with_several_ranks_frees_fc_gradient_before_the_conv_backward():
     # GradBuckets sends a bucket once its gradients are accumulated. In one compiled graph they
     # all wait for the whole backward; with `overlap` (several ranks) fc's gradient is in the
     # flat buffer while conv1's is still zero, as in eager, and the numbers stay eager's.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
     eager_grads, grads = [], []
     optimized(2, ppo.Args(), eager_grads)
     torch._dynamo.reset()  # dynamo does not guard on module hooks: no graph of another agent
@@ -438,9 +422,8 @@ def test_compiled_loss_with_several_ranks_frees_fc_gradient_before_the_conv_back
         assert_equal_to_rounding(got, want, rel=1e-4)
 
 
-def test_policy_step_compiles_in_fp32_and_stays_eager_under_amp_on_a_cpu(monkeypatch, tmp_path):
+def test_policy_step_compiles_in_fp32_and_stays_eager_under_amp_on_a_cpu():
     # under --amp autocast casts the weights once per rollout; a compiled step, on every call
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
     for amp, compiled in (("none", True), ("bf16", False), ("fp16", False)):
         agent = ppo.speed_up(new_agent(), ppo.Args(compile=True, amp=amp))
         assert ("compiled_policy" in vars(agent)) == compiled and "compiled_loss" in vars(agent)

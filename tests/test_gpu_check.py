@@ -103,9 +103,6 @@ def test_gpu_check_cpu_dry_run_writes_every_section_and_trainer_row_to_the_outpu
         PYTHON=sys.executable,  # bash's python3 may not be this environment's
         GPU_CHECK_SITE=str(tmp_path / "site"),  # never the shared /tmp/site
         GPU_CHECK_TOTAL_S="280",  # the script's own limit, inside this test's timeout
-        # the compile rows' kernels in a cache of their own, as on a fresh machine (never ones
-        # an earlier run built for another ISA: see test_fast_path)
-        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"),
     )
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmark/gpu_check.sh"), str(out), "--cpu-dry-run"],
