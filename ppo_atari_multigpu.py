@@ -945,13 +945,12 @@ def choose_run_name(args: Args):
     if args.resume == "auto":
         digest = hashlib.sha1(json.dumps(identity(args), sort_keys=True).encode()).hexdigest()
         return f"{prefix}cfg{digest[:10]}"
-    stamp, n = f"{prefix}{int(time.time())}", 1
-    while True:
+    stamp = f"{prefix}{int(time.time())}"
+    for n in range(1, sys.maxsize):
         name = stamp if n == 1 else f"{stamp}-{n}"
         with contextlib.suppress(FileExistsError):  # another launch in the same second
             os.makedirs(f"runs/{name}")
             return name
-        n += 1
 
 
 def checkpoint_files(ckpt_dir):
@@ -1058,8 +1057,7 @@ def resume_problem(ckpt, path, args: Args):
 
 
 class Checkpointer:
-    """runs/<run_name>/checkpoints: saves, resume, and the training time summed over restarts
-    (for honest SPS after a resume)."""
+    """runs/<run_name>/checkpoints: saves, resume, training time summed over restarts (true SPS)."""
 
     def __init__(self, args: Args, run_name, rank, world_size):
         self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
@@ -1152,13 +1150,9 @@ class Checkpointer:
         """Rank 0: save every --save-interval iterations and --save-minutes, at the end, and `now`.
         The path, or None: a failed save warns and training goes on; a final one sets save_error."""
         a = self.args
-        due = (
-            now
-            or iteration == a.num_iterations
-            or (a.save_interval and iteration % a.save_interval == 0)
-            or (a.save_minutes and time.time() - self.last_save > 60 * a.save_minutes)
-        )
-        if not due:
+        interval = a.save_interval and iteration % a.save_interval == 0
+        minutes = a.save_minutes and time.time() - self.last_save > 60 * a.save_minutes
+        if not (now or iteration == a.num_iterations or interval or minutes):
             return None
         ckpt = {"model": agent.state_dict(), "optimizer": optimizer.state_dict()}
         ckpt |= {"scaler": scaler.state_dict(), "iteration": iteration, "global_step": global_step}
@@ -1214,14 +1208,10 @@ class Preemption:
             what = "interrupted" if code == INTERRUPTED else "preempted"
             saved = f"saved {saved}" if saved else "not saved (see above)"
             # the same flags; `auto` finds a run by its flags, any other run needs its name
-            more = (
-                [] if args.resume == "auto" else ["--run-name", args.run_name, "--resume", "auto"]
-            )
-            again = ("torchrun ... " if distributed else "python ") + shlex.join(sys.argv + more)
-            print(
-                f"{what} ({', '.join(stopped)}): {saved}; exit {code}, continue with: {again}",
-                flush=True,
-            )
+            add = [] if args.resume == "auto" else ["--run-name", args.run_name, "--resume", "auto"]
+            again = ("torchrun ... " if distributed else "python ") + shlex.join(sys.argv + add)
+            line = f"{what} ({', '.join(stopped)}): {saved}; exit {code}, continue with: {again}"
+            print(line, flush=True)
         WHERE["phase"] = "exit"
         if distributed:
             dist.barrier()  # a rank that left early would make torchrun stop rank 0's save
@@ -1234,10 +1224,8 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
     each env plays as many games, so short games are not over-represented."""
     episodes, n_envs = args.eval_episodes, min(args.eval_episodes, max_envs)
     quota = math.ceil(episodes / n_envs)
-    thunks = [
-        make_env(args.env_id, i, args.capture_video, f"{run_name}-eval", args.frame_stack)
-        for i in range(n_envs)
-    ]
+    name, video, stack = f"{run_name}-eval", args.capture_video, args.frame_stack
+    thunks = [make_env(args.env_id, i, video, name, stack) for i in range(n_envs)]
     envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     games = [[] for _ in range(n_envs)]
     # seeds no training env uses: games unseen in training
