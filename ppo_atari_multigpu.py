@@ -1053,7 +1053,6 @@ def resume_problem(ckpt, path, args: Args):
             f"{path} was trained with other flags ({', '.join(changed)}): resume with the saved "
             "values (--num-envs keeps the global batch at another world size), or start a new run"
         )
-    return None
 
 
 class Checkpointer:
@@ -1227,9 +1226,8 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
     name, video, stack = f"{run_name}-eval", args.capture_video, args.frame_stack
     thunks = [make_env(args.env_id, i, video, name, stack) for i in range(n_envs)]
     envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    games = [[] for _ in range(n_envs)]
-    # seeds no training env uses: games unseen in training
-    next_obs, _ = envs.reset(seed=env_seeds(args.seed + 10**6, 0, n_envs))
+    games = [[] for _ in range(n_envs)]  # returned by round: every env's k-th before a (k+1)-th
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed + 10**6, 0, n_envs))  # unseen in training
     while min(len(g) for g in games) < quota:
         with torch.inference_mode():  # eager: --compile would compile this batch size
             action = agent.get_action_and_value(torch.as_tensor(next_obs, device=device))[0]
@@ -1238,7 +1236,6 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
             for i in np.flatnonzero(infos["final_info"]["_episode"]):
                 games[i].append(float(infos["final_info"]["episode"]["r"][i]))
     envs.close()
-    # the k-th game of every env before any env's (k+1)-th
     return [games[i][k] for k in range(quota) for i in range(n_envs)][:episodes]
 
 
