@@ -993,7 +993,10 @@ def save_checkpoint(ckpt, ckpt_dir, keep):
     save_file(ckpt, path)
     for old in checkpoint_files(ckpt_dir)[:-keep]:
         if old != path:  # after a resume past a skipped bad file, the new one may sort lower
-            os.remove(old)
+            try:
+                os.remove(old)
+            except OSError as e:  # the new one is saved: an old one left over is no failed save
+                warn(f"old checkpoint {old} was not removed: {one_line(e, 160)}")
     return path
 
 
