@@ -954,9 +954,10 @@ def choose_run_name(args: Args):
 
 
 def checkpoint_files(ckpt_dir):
-    """Oldest first by the global step in the name (iterations differ across global batches)."""
-    found = glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt"))
-    return sorted(found, key=lambda path: int(os.path.basename(path)[5:-3]))
+    """ckpt_<digits>.pt (not a user's ckpt_best.pt), oldest first by the step (not iteration)."""
+    steps = {p: os.path.basename(p)[5:-3] for p in glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt"))}
+    ours = [path for path, step in steps.items() if step.isascii() and step.isdigit()]
+    return sorted(ours, key=lambda path: int(steps[path]))
 
 
 def latest_checkpoint(ckpt_dir):
@@ -985,9 +986,9 @@ def save_file(obj, path):
 
 
 def save_checkpoint(ckpt, ckpt_dir, keep):
-    """save_file a new checkpoint, then prune to `keep`; a *.tmp a crash left goes first."""
+    """save_file a new checkpoint, then prune to `keep`; a .tmp a crash left goes first."""
     os.makedirs(ckpt_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(ckpt_dir, "*.tmp")):
+    for stale in glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt.tmp")):
         os.remove(stale)
     path = os.path.join(ckpt_dir, f"ckpt_{ckpt['global_step']:012d}.pt")
     save_file(ckpt, path)

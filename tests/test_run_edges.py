@@ -1,7 +1,8 @@
-"""Issue 41's edges of long runs: an old checkpoint that cannot be removed. Every fault is real:
-real files."""
+"""Issue 41's edges of long runs: a user's own file among the checkpoints and an old checkpoint that
+cannot be removed. Every fault is real: real files."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ def run(cwd, *flags, nproc=None, wrapper=None, sizes=TINY):
     )
 
 
-# ---- an old checkpoint that cannot be removed ----
+# ---- a user's own file; an old checkpoint that cannot be removed ----
 BLOCKER = "ckpt_000000000001.pt"  # a directory where an old checkpoint would be
 
 
@@ -50,3 +51,18 @@ def test_an_old_checkpoint_that_cannot_be_removed_warns_naming_it_and_the_save_c
     assert "not saved" not in out.stderr and "done: 128 steps" in out.stdout
     names = ["ckpt_000000000064.pt", "ckpt_000000000128.pt"]
     assert sorted(os.listdir(cwd / "runs/p/checkpoints")) == [BLOCKER, *names]
+
+
+def test_a_users_own_file_among_the_checkpoints_is_none_of_them_and_never_pruned(
+    tmp_path, pruned_run
+):
+    ckpts = tmp_path / "runs/u/checkpoints"
+    ckpts.mkdir(parents=True)
+    best = ckpts / "ckpt_best.pt"  # a real checkpoint the user kept under a name of their own
+    shutil.copy(pruned_run[0] / "runs/p/checkpoints/ckpt_000000000064.pt", best)
+    kept = best.read_bytes()
+    out = run(tmp_path, *FLAGS, "--keep-checkpoints", 1, "--run-name", "u", "--resume", "auto")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "resumed" not in out.stdout and "iter 2/2" in out.stdout  # not this run's: it starts
+    assert sorted(os.listdir(ckpts)) == ["ckpt_000000000128.pt", "ckpt_best.pt"]  # 64: pruned
+    assert best.read_bytes() == kept
