@@ -985,13 +985,23 @@ def save_file(obj, path):
         raise cause if isinstance(cause, OSError) else OSError(one_line(e, 160)) from e
 
 
+def digest_of(ckpt):
+    """sha256 of a checkpoint's values, tensors by their bytes: torch's zip reader checks no CRC."""
+
+    def tensor(t):
+        data = t.cpu().flatten().view(torch.uint8).numpy()  # any dtype, in logical order
+        return [str(t.dtype), t.shape, hashlib.sha256(data).hexdigest()]
+
+    return hashlib.sha256(json.dumps(ckpt, default=tensor).encode()).hexdigest()
+
+
 def save_checkpoint(ckpt, ckpt_dir, keep):
     """save_file a new checkpoint, then prune to `keep`; a .tmp a crash left goes first."""
     os.makedirs(ckpt_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt.tmp")):
         os.remove(stale)
     path = os.path.join(ckpt_dir, f"ckpt_{ckpt['global_step']:012d}.pt")
-    save_file(ckpt, path)
+    save_file(ckpt | {"digest": digest_of(ckpt)}, path)  # load_checkpoint verifies it
     for old in checkpoint_files(ckpt_dir)[:-keep]:
         if old != path:  # after a resume past a skipped bad file, the new one may sort lower
             try:
@@ -1007,6 +1017,7 @@ def load_checkpoint(path, agent):
     try:
         with warnings.catch_warnings(action="ignore"):  # torch's lines on pickle: ours say it all
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        rotten = isinstance(ckpt, dict) and ckpt.pop("digest", None) not in (None, digest_of(ckpt))
     except FileNotFoundError:
         raise ValueError(f"checkpoint {path} does not exist")
     except pickle.UnpicklingError as e:
@@ -1023,6 +1034,8 @@ def load_checkpoint(path, agent):
     except Exception as e:
         error = f"{type(e).__name__}: {one_line(e, 160)}"
         raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?): {error}")
+    if rotten:  # (files without a digest, older ones and bare models, load as they are)
+        raise ValueError(f"checkpoint {path} is unreadable (damaged since it was saved)")
     ckpt = ckpt if isinstance(ckpt, dict) and "model" in ckpt else {"model": ckpt}
     model, own = ckpt["model"], agent.state_dict()
     if not isinstance(model, dict) or "actor.weight" not in model:
