@@ -1141,10 +1141,15 @@ class Checkpointer:
         if ckpt is None:
             return 0
         step = ckpt["global_step"]
-        if step >= self.args.num_iterations * self.args.batch_size:
-            if self.rank == 0:
-                print(f"run {self.run_name} is complete ({path}, step {step}): nothing to do")
-            leave(0, self.world_size > 1)
+        if step >= self.args.num_iterations * self.args.batch_size:  # done if its model was saved
+            done = False  # (a run preempted in its last iteration saved the total, not the model)
+            with contextlib.suppress(ValueError):
+                model = load_checkpoint(f"runs/{self.run_name}/{self.args.exp_name}.model", agent)
+                done = all(torch.equal(v, ckpt["model"][k]) for k, v in model["model"].items())
+            if broadcast_object(done, self.world_size > 1):  # rank 0's verdict: it saved the model
+                if self.rank == 0:
+                    print(f"run {self.run_name} is complete ({path}, step {step}): nothing to do")
+                leave(0, self.world_size > 1)
         agent.load_state_dict(ckpt["model"])  # in place: the gradient views stay valid
         # load_state_dict places each Adam `step` by the saved groups' kernel flags: use ours
         for group in ckpt["optimizer"]["param_groups"]:

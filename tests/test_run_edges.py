@@ -1,5 +1,6 @@
-"""Issue 41's edges of long runs: a user's own file among the checkpoints, an old checkpoint that
-cannot be removed and bit rot inside a checkpoint. Every fault is real: real files."""
+"""Issue 41's edges of long runs: a run preempted in its last iteration, a user's own file among the
+checkpoints, an old checkpoint that cannot be removed and bit rot inside a checkpoint. Every
+fault is real: real files, a real SIGTERM in the run's last iteration."""
 
 import os
 import shutil
@@ -9,6 +10,7 @@ import sys
 import zipfile
 
 import pytest
+import torch
 from conftest import SCRIPT, TINY, torchrun
 
 import ppo_atari_multigpu as ppo
@@ -30,6 +32,59 @@ def run(cwd, *flags, nproc=None, wrapper=None, sizes=TINY):
         text=True,
         timeout=600,
     )
+
+
+# ---- preempted in the last iteration ----
+# The process sends itself SIGTERM as iteration 1 of 2 prints its line: the signal is noted before
+# the last iteration's report on any machine, so that iteration saves at the total and exits 75.
+SIGTERM_IN_THE_LAST_ITERATION = """import builtins, os, runpy, signal, sys
+print_ = builtins.print
+def print_then_sigterm(*args, **kwargs):
+    print_(*args, **kwargs)
+    if args and str(args[0]).startswith("iter 1/2 "):
+        os.kill(os.getpid(), signal.SIGTERM)
+builtins.print = print_then_sigterm
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module")
+def extended_run(tmp_path_factory):
+    """One `--resume auto` run (no --run-name): preempted in its last iteration, then requeued with
+    the same command. Returns cwd, its run name, the outputs, what the run directory held after the
+    preemption and after the requeue, and the model and final checkpoint after the requeue."""
+    cwd = tmp_path_factory.mktemp("extended")
+    (cwd / "preempt.py").write_text(SIGTERM_IN_THE_LAST_ITERATION)
+    auto = ["--save-interval", 1, "--keep-checkpoints", 2, "--resume", "auto"]
+    first = [*auto, "--total-timesteps", 128, "--eval-episodes", 1]
+    outs = {"preempted": run(cwd, *first, wrapper=cwd / "preempt.py")}
+    (name,) = os.listdir(cwd / "runs")
+    model = cwd / "runs" / name / "ppo_atari_multigpu.model"
+    held = {"preempted": sorted(os.listdir(cwd / "runs" / name))}
+    outs["requeued"] = run(cwd, *first)
+    held["requeued"] = sorted(os.listdir(cwd / "runs" / name))
+    final = cwd / "runs" / name / "checkpoints/ckpt_000000000128.pt"  # the total: 2 x 64 steps
+    weights = [torch.load(p, weights_only=True) for p in (model, final) if p.exists()]
+    return cwd, name, outs, held, weights
+
+
+def test_a_run_preempted_in_its_last_iteration_saves_its_model_and_evaluates_when_requeued(
+    extended_run,
+):
+    cwd, name, outs, held, weights = extended_run
+    preempted, requeued = outs["preempted"], outs["requeued"]
+    final = f"runs/{name}/checkpoints/ckpt_000000000128.pt"
+    assert preempted.returncode == ppo.PREEMPTED, preempted.stderr[-2000:]
+    assert f"preempted (rank 0: SIGTERM): saved {final}; exit 75" in preempted.stdout
+    assert "ppo_atari_multigpu.model" not in held["preempted"]
+    assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-2000:]
+    assert "nothing to do" not in requeued.stdout and "iter " not in requeued.stdout
+    assert "done: 128 steps" in requeued.stdout and "replicas identical: True" in requeued.stdout
+    assert f"eval runs/{name}/ppo_atari_multigpu.model: 1 episodes" in requeued.stdout
+    assert "ppo_atari_multigpu.model" in held["requeued"]
+    model, saved = weights[0], weights[1]["model"]  # the model file: the final checkpoint's
+    assert model.keys() == saved.keys() and all(torch.equal(model[k], saved[k]) for k in saved)
 
 
 # ---- a user's own file; an old checkpoint that cannot be removed; bit rot ----
