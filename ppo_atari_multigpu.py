@@ -187,14 +187,14 @@ class Args:
 
 
 # What a resume may change: world size and layout, backend, threads, precision, compile, env
-# backend, saving, logging, evaluation. Every other field of Args is the run's identity: it names a
-# `--resume auto` run and a resume must keep it, so a new field joins it without a word.
+# backend, saving, logging, evaluation, the total. Every other field of Args is the run's identity:
+# it names a `--resume auto` run and a resume must keep it, so a new field joins it without a word.
 RESUMABLE = tuple(
     """world_size local_num_envs local_batch_size local_minibatch_size grad_accum rank_envs
     balance_envs backend device_ids cuda torch_deterministic threads bucket_mb allreduce_fp16
     pg_timeout channels_last amp compile cuda_graphs env_backend async_envs run_name resume
     save_interval save_minutes keep_checkpoints print_every track wandb_project_name wandb_entity
-    capture_video eval_episodes eval_checkpoint""".split()
+    capture_video eval_episodes eval_checkpoint total_timesteps num_iterations""".split()
 )
 
 
@@ -933,7 +933,8 @@ def proc_state(pid):
 # ---- CHECKPOINTS: run name, atomic saves, pruning, resume, run time across restarts -----------
 def identity(args: Args):
     """The flags that define the run: every field of Args but RESUMABLE."""
-    return {k: v for k, v in vars(args).items() if k not in RESUMABLE}
+    derived = ("batch_size", "minibatch_size")  # from flags in it: a change names those flags
+    return {k: v for k, v in vars(args).items() if k not in RESUMABLE + derived}
 
 
 def choose_run_name(args: Args):
@@ -1117,7 +1118,7 @@ class Checkpointer:
             steps = [None] * self.world_size
             dist.all_gather_object(steps, int(os.path.basename(files[-1])[5:-3]) if files else -1)
             holder = steps.index(max(steps))  # the lowest rank whose node has the newest file
-        ckpt, error, path = None, None, None
+        ckpt, error, path, reported = None, None, None, set()
         if self.rank == holder:  # it reads and broadcasts: the nodes need no shared disk
             for path in reversed(files) if auto else [self.args.resume]:
                 try:
@@ -1127,7 +1128,9 @@ class Checkpointer:
                     ckpt, error = None, str(e)
                 if error is None or not auto:
                     break
-                print(f"warning: skipped {error}", flush=True)
+                if (problem := error.replace(path, "")) not in reported:  # shared: said once
+                    reported.add(problem)
+                    print(f"warning: skipped {error}", flush=True)
             if auto and error:  # every file was tried
                 tried = ", ".join(os.path.basename(f) for f in reversed(files))
                 error = (
@@ -1165,6 +1168,9 @@ class Checkpointer:
             where = f" (on {host}, rank {holder}'s node)" if holder else ""
             at = f"iteration {step // self.args.batch_size + 1}, global step {step}"
             print(f"resumed {path}{where}: {at}; environments start fresh")
+            if (was := ckpt["args"].get("total_timesteps")) != self.args.total_timesteps:
+                span = "the learning-rate schedule now spans the new total"
+                print(f"--total-timesteps {was} -> {self.args.total_timesteps}: {span}")
         return step
 
     def maybe_save(self, iteration, global_step, agent, optimizer, scaler, now=False):

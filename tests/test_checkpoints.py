@@ -492,7 +492,7 @@ def test_resume_with_other_algorithm_flags_is_refused_naming_old_and_new_values(
     assert ppo.resume_problem(ckpt, "c.pt", safe) is None
     changed = resolved(local_num_envs=2, total_timesteps=512, anneal_lr=False)
     msg = ppo.resume_problem(ckpt, "c.pt", changed)
-    assert "--total-timesteps 256 -> 512" in msg and "--anneal-lr True -> False" in msg
+    assert "--total-timesteps" not in msg and "--anneal-lr True -> False" in msg  # may extend
     msg = ppo.resume_problem(ckpt, "c.pt", resolved(2, local_num_envs=2))
     assert "--num-envs 2 -> 4" in msg and "--num-envs keeps the global batch" in msg
 

@@ -1,6 +1,7 @@
-"""Issue 41's edges of long runs: a run preempted in its last iteration, a user's own file among the
-checkpoints, an old checkpoint that cannot be removed and bit rot inside a checkpoint. Every
-fault is real: real files, a real SIGTERM in the run's last iteration."""
+"""Issue 41's edges of long runs: a run preempted in its last iteration, a finished run extended to
+a larger total, a user's own file among the checkpoints, an old checkpoint that cannot be removed
+and bit rot inside a checkpoint. Every fault is real: real files, a real SIGTERM in the run's
+last iteration."""
 
 import os
 import shutil
@@ -11,11 +12,13 @@ import zipfile
 
 import pytest
 import torch
-from conftest import SCRIPT, TINY, torchrun
+from conftest import SCRIPT, TINY, scalar_tags, torchrun
 
 import ppo_atari_multigpu as ppo
 
 FLAGS = ["--total-timesteps", 128, "--save-interval", 1, "--eval-episodes", 0]  # 2 iterations
+SPANS = "the learning-rate schedule now spans the new total"
+GLOBAL_SIZES = " ".join(TINY).replace("--local-num-envs 2", "").split()  # for --num-envs N
 
 
 def run(cwd, *flags, nproc=None, wrapper=None, sizes=TINY):
@@ -34,7 +37,7 @@ def run(cwd, *flags, nproc=None, wrapper=None, sizes=TINY):
     )
 
 
-# ---- preempted in the last iteration ----
+# ---- preempted in the last iteration; a finished run extended; flags that differ ----
 # The process sends itself SIGTERM as iteration 1 of 2 prints its line: the signal is noted before
 # the last iteration's report on any machine, so that iteration saves at the total and exits 75.
 SIGTERM_IN_THE_LAST_ITERATION = """import builtins, os, runpy, signal, sys
@@ -51,9 +54,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.fixture(scope="module")
 def extended_run(tmp_path_factory):
-    """One `--resume auto` run (no --run-name): preempted in its last iteration, then requeued with
-    the same command. Returns cwd, its run name, the outputs, what the run directory held after the
-    preemption and after the requeue, and the model and final checkpoint after the requeue."""
+    """One `--resume auto` run (no --run-name): preempted in its last iteration, requeued with the
+    same command, extended to 256 steps by the same command and to 384 with --run-name, then
+    launched with --run-name and other flags. Returns cwd, its run name, the outputs, and what
+    the run directory held after the preemption and after the requeue."""
     cwd = tmp_path_factory.mktemp("extended")
     (cwd / "preempt.py").write_text(SIGTERM_IN_THE_LAST_ITERATION)
     auto = ["--save-interval", 1, "--keep-checkpoints", 2, "--resume", "auto"]
@@ -66,6 +70,11 @@ def extended_run(tmp_path_factory):
     held["requeued"] = sorted(os.listdir(cwd / "runs" / name))
     final = cwd / "runs" / name / "checkpoints/ckpt_000000000128.pt"  # the total: 2 x 64 steps
     weights = [torch.load(p, weights_only=True) for p in (model, final) if p.exists()]
+    outs["extended"] = run(cwd, *auto, "--total-timesteps", 256, "--eval-episodes", 0)
+    by_name = [*auto, "--run-name", name, "--eval-episodes", 0]
+    outs["by_name"] = run(cwd, *by_name, "--total-timesteps", 384)
+    other = [*by_name, "--total-timesteps", 384, "--learning-rate", 0.001, "--num-envs", 4]
+    outs["other_flags"] = run(cwd, *other, sizes=GLOBAL_SIZES)
     return cwd, name, outs, held, weights
 
 
@@ -85,6 +94,34 @@ def test_a_run_preempted_in_its_last_iteration_saves_its_model_and_evaluates_whe
     assert "ppo_atari_multigpu.model" in held["requeued"]
     model, saved = weights[0], weights[1]["model"]  # the model file: the final checkpoint's
     assert model.keys() == saved.keys() and all(torch.equal(model[k], saved[k]) for k in saved)
+
+
+def test_a_finished_run_continues_to_a_larger_total_by_its_auto_name_and_by_run_name(extended_run):
+    cwd, name, outs, _, _ = extended_run
+    for out, was, total in ((outs["extended"], 128, 256), (outs["by_name"], 256, 384)):
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        resumed = f"resumed runs/{name}/checkpoints/ckpt_{was:012d}.pt: iteration {was // 64 + 1}"
+        assert resumed in out.stdout
+        (span,) = [x for x in out.stdout.splitlines() if "-timesteps" in x]  # one line
+        assert span == f"--total-timesteps {was} -> {total}: {SPANS}"
+        assert f"iter {total // 64}/{total // 64} " in out.stdout and "warning" not in out.stdout
+    assert os.listdir(cwd / "runs") == [name]  # the same command found the same run
+    tags = scalar_tags(cwd / "runs" / name)
+    assert [s for s, _ in tags["charts/SPS"]] == list(range(64, 385, 64))  # each step once
+    lr = dict(tags["charts/learning_rate"])  # annealed to 0 over the total of the latest launch
+    assert lr[192] == pytest.approx(2.5e-4 * (1 - 2 / 4)) and lr[256] == pytest.approx(0.625e-4)
+    assert lr[320] == pytest.approx(2.5e-4 * (1 - 4 / 6))
+
+
+def test_a_resume_with_other_flags_names_only_real_flags_and_a_shared_mismatch_once(extended_run):
+    out = extended_run[2]["other_flags"]
+    assert out.returncode == 2
+    text = out.stdout + out.stderr
+    (line,) = [x for x in text.splitlines() if "trained with other flags" in x]
+    assert "(--learning-rate 0.00025 -> 0.001, --num-envs 2 -> 4)" in line
+    for derived in ("--batch-size", "--minibatch-size", "--num-iterations", "--world-size"):
+        assert derived not in text  # not flags: --num-envs and --num-steps make them
+    assert "error: no checkpoint in" in out.stderr  # the files are listed, nothing overwritten
 
 
 # ---- a user's own file; an old checkpoint that cannot be removed; bit rot ----
