@@ -1073,6 +1073,20 @@ def resume_problem(ckpt, path, args: Args):
         )
 
 
+def run_at_other_world_size(args: Args, run_name):
+    """A sibling run (same env, experiment and seed) that differs from this launch only in the env
+    count its world size made: `auto` names it rather than start over."""
+    for path in sorted(glob.glob(f"runs/{glob.escape(run_name[:-10])}*/checkpoints/ckpt_*.pt")):
+        with contextlib.suppress(Exception):  # a hint only: a file that does not load is none
+            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["args"]
+            if {k for k, v in identity(args).items() if saved.get(k) != v} == {"num_envs"}:
+                name, n = path[5 : path.rindex("/checkpoints/")], saved["num_envs"]
+                return (
+                    f"run {name} has this configuration at --num-envs {n}: give --num-envs {n} to "
+                    f"continue it, or --num-envs {args.num_envs} to start a new run"
+                )
+
+
 class Checkpointer:
     """runs/<run_name>/checkpoints: saves, resume, training time summed over restarts (true SPS)."""
 
@@ -1107,7 +1121,7 @@ class Checkpointer:
     def elapsed(self):
         return time.time() - self.start
 
-    def resume(self, agent, optimizer, scaler):
+    def resume(self, agent, optimizer, scaler, look_around=False):
         """Load --resume into agent, optimizer and scaler on every rank; return the global step to
         continue from (0: a fresh start). A finished run ends here with exit code 0."""
         self.start = self.last_save = time.time()  # training time starts here, not at env setup
@@ -1137,6 +1151,8 @@ class Checkpointer:
                     f"no checkpoint in {self.dir} loads (tried {tried}); nothing was overwritten: "
                     "move them away, or use another --run-name, to start over"
                 )
+            if auto and not files and look_around:  # a requeue at another world size?
+                error = run_at_other_world_size(self.args, self.run_name)
         found = (ckpt, error, path, socket.gethostname())
         ckpt, error, path, host = broadcast_object(found, self.world_size > 1, src=holder)
         if error is not None:
@@ -1908,6 +1924,7 @@ def replicas_identical(params, device, distributed):
 # ================================================================================================
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    name_follows_world_size = not (args.run_name or args.num_envs or args.rank_envs)
 
     # ---- setup: torchrun's environment; plain `python` runs one process without a group ----
     distributed = "RANK" in os.environ
@@ -1999,7 +2016,7 @@ if __name__ == "__main__":
     )
     coef = loss_coefficients(args, device)  # 0-d tensors: a schedule below changes them in place
 
-    global_step = checkpointer.resume(agent, optimizer, scaler)
+    global_step = checkpointer.resume(agent, optimizer, scaler, name_follows_world_size)
     start_iteration = global_step // args.batch_size + 1
     if master_process:
         # purge_step: TensorBoard hides what a crashed run logged after its last checkpoint (all
