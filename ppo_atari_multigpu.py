@@ -187,14 +187,14 @@ class Args:
 
 
 # What a resume may change: world size and layout, backend, threads, precision, compile, env
-# backend, saving, logging, evaluation. Every other field of Args is the run's identity: it names a
-# `--resume auto` run and a resume must keep it, so a new field joins it without a word.
+# backend, saving, logging, evaluation, the total. Every other field of Args is the run's identity:
+# it names a `--resume auto` run and a resume must keep it, so a new field joins it without a word.
 RESUMABLE = tuple(
     """world_size local_num_envs local_batch_size local_minibatch_size grad_accum rank_envs
     balance_envs backend device_ids cuda torch_deterministic threads bucket_mb allreduce_fp16
     pg_timeout channels_last amp compile cuda_graphs env_backend async_envs run_name resume
     save_interval save_minutes keep_checkpoints print_every track wandb_project_name wandb_entity
-    capture_video eval_episodes eval_checkpoint""".split()
+    capture_video eval_episodes eval_checkpoint total_timesteps num_iterations""".split()
 )
 
 
@@ -933,7 +933,8 @@ def proc_state(pid):
 # ---- CHECKPOINTS: run name, atomic saves, pruning, resume, run time across restarts -----------
 def identity(args: Args):
     """The flags that define the run: every field of Args but RESUMABLE."""
-    return {k: v for k, v in vars(args).items() if k not in RESUMABLE}
+    derived = ("batch_size", "minibatch_size")  # from flags in it: a change names those flags
+    return {k: v for k, v in vars(args).items() if k not in RESUMABLE + derived}
 
 
 def choose_run_name(args: Args):
@@ -945,19 +946,19 @@ def choose_run_name(args: Args):
     if args.resume == "auto":
         digest = hashlib.sha1(json.dumps(identity(args), sort_keys=True).encode()).hexdigest()
         return f"{prefix}cfg{digest[:10]}"
-    stamp, n = f"{prefix}{int(time.time())}", 1
-    while True:
+    stamp = f"{prefix}{int(time.time())}"
+    for n in range(1, sys.maxsize):
         name = stamp if n == 1 else f"{stamp}-{n}"
         with contextlib.suppress(FileExistsError):  # another launch in the same second
             os.makedirs(f"runs/{name}")
             return name
-        n += 1
 
 
 def checkpoint_files(ckpt_dir):
-    """Oldest first by the global step in the name (iterations differ across global batches)."""
-    found = glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt"))
-    return sorted(found, key=lambda path: int(os.path.basename(path)[5:-3]))
+    """ckpt_<digits>.pt (not a user's ckpt_best.pt), oldest first by the step (not iteration)."""
+    steps = {p: os.path.basename(p)[5:-3] for p in glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt"))}
+    ours = [path for path, step in steps.items() if step.isascii() and step.isdigit()]
+    return sorted(ours, key=lambda path: int(steps[path]))
 
 
 def latest_checkpoint(ckpt_dir):
@@ -985,16 +986,29 @@ def save_file(obj, path):
         raise cause if isinstance(cause, OSError) else OSError(one_line(e, 160)) from e
 
 
+def digest_of(ckpt):
+    """sha256 of a checkpoint's values, tensors by their bytes: torch's zip reader checks no CRC."""
+
+    def tensor(t):
+        data = t.cpu().flatten().view(torch.uint8).numpy()  # any dtype, in logical order
+        return [str(t.dtype), t.shape, hashlib.sha256(data).hexdigest()]
+
+    return hashlib.sha256(json.dumps(ckpt, default=tensor).encode()).hexdigest()
+
+
 def save_checkpoint(ckpt, ckpt_dir, keep):
-    """save_file a new checkpoint, then prune to `keep`; a *.tmp a crash left goes first."""
+    """save_file a new checkpoint, then prune to `keep`; a .tmp a crash left goes first."""
     os.makedirs(ckpt_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(ckpt_dir, "*.tmp")):
+    for stale in glob.glob(os.path.join(ckpt_dir, "ckpt_*.pt.tmp")):
         os.remove(stale)
     path = os.path.join(ckpt_dir, f"ckpt_{ckpt['global_step']:012d}.pt")
-    save_file(ckpt, path)
+    save_file(ckpt | {"digest": digest_of(ckpt)}, path)  # load_checkpoint verifies it
     for old in checkpoint_files(ckpt_dir)[:-keep]:
         if old != path:  # after a resume past a skipped bad file, the new one may sort lower
-            os.remove(old)
+            try:
+                os.remove(old)
+            except OSError as e:  # the new one is saved: an old one left over is no failed save
+                warn(f"old checkpoint {old} was not removed: {one_line(e, 160)}")
     return path
 
 
@@ -1004,6 +1018,7 @@ def load_checkpoint(path, agent):
     try:
         with warnings.catch_warnings(action="ignore"):  # torch's lines on pickle: ours say it all
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        rotten = isinstance(ckpt, dict) and ckpt.pop("digest", None) not in (None, digest_of(ckpt))
     except FileNotFoundError:
         raise ValueError(f"checkpoint {path} does not exist")
     except pickle.UnpicklingError as e:
@@ -1020,6 +1035,8 @@ def load_checkpoint(path, agent):
     except Exception as e:
         error = f"{type(e).__name__}: {one_line(e, 160)}"
         raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?): {error}")
+    if rotten:  # (files without a digest, older ones and bare models, load as they are)
+        raise ValueError(f"checkpoint {path} is unreadable (damaged since it was saved)")
     ckpt = ckpt if isinstance(ckpt, dict) and "model" in ckpt else {"model": ckpt}
     model, own = ckpt["model"], agent.state_dict()
     if not isinstance(model, dict) or "actor.weight" not in model:
@@ -1054,12 +1071,24 @@ def resume_problem(ckpt, path, args: Args):
             f"{path} was trained with other flags ({', '.join(changed)}): resume with the saved "
             "values (--num-envs keeps the global batch at another world size), or start a new run"
         )
-    return None
+
+
+def run_at_other_world_size(args: Args, run_name):
+    """A sibling run (same env, experiment and seed) that differs from this launch only in the env
+    count its world size made: `auto` names it rather than start over."""
+    for path in sorted(glob.glob(f"runs/{glob.escape(run_name[:-10])}*/checkpoints/ckpt_*.pt")):
+        with contextlib.suppress(Exception):  # a hint only: a file that does not load is none
+            saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["args"]
+            if {k for k, v in identity(args).items() if saved.get(k) != v} == {"num_envs"}:
+                name, n = path[5 : path.rindex("/checkpoints/")], saved["num_envs"]
+                return (
+                    f"run {name} has this configuration at --num-envs {n}: give --num-envs {n} to "
+                    f"continue it, or --num-envs {args.num_envs} to start a new run"
+                )
 
 
 class Checkpointer:
-    """runs/<run_name>/checkpoints: saves, resume, and the training time summed over restarts
-    (for honest SPS after a resume)."""
+    """runs/<run_name>/checkpoints: saves, resume, training time summed over restarts (true SPS)."""
 
     def __init__(self, args: Args, run_name, rank, world_size):
         self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
@@ -1092,7 +1121,7 @@ class Checkpointer:
     def elapsed(self):
         return time.time() - self.start
 
-    def resume(self, agent, optimizer, scaler):
+    def resume(self, agent, optimizer, scaler, look_around=False):
         """Load --resume into agent, optimizer and scaler on every rank; return the global step to
         continue from (0: a fresh start). A finished run ends here with exit code 0."""
         self.start = self.last_save = time.time()  # training time starts here, not at env setup
@@ -1103,7 +1132,7 @@ class Checkpointer:
             steps = [None] * self.world_size
             dist.all_gather_object(steps, int(os.path.basename(files[-1])[5:-3]) if files else -1)
             holder = steps.index(max(steps))  # the lowest rank whose node has the newest file
-        ckpt, error, path = None, None, None
+        ckpt, error, path, reported = None, None, None, set()
         if self.rank == holder:  # it reads and broadcasts: the nodes need no shared disk
             for path in reversed(files) if auto else [self.args.resume]:
                 try:
@@ -1113,13 +1142,17 @@ class Checkpointer:
                     ckpt, error = None, str(e)
                 if error is None or not auto:
                     break
-                print(f"warning: skipped {error}", flush=True)
+                if (problem := error.replace(path, "")) not in reported:  # shared: said once
+                    reported.add(problem)
+                    print(f"warning: skipped {error}", flush=True)
             if auto and error:  # every file was tried
                 tried = ", ".join(os.path.basename(f) for f in reversed(files))
                 error = (
                     f"no checkpoint in {self.dir} loads (tried {tried}); nothing was overwritten: "
                     "move them away, or use another --run-name, to start over"
                 )
+            if auto and not files and look_around:  # a requeue at another world size?
+                error = run_at_other_world_size(self.args, self.run_name)
         found = (ckpt, error, path, socket.gethostname())
         ckpt, error, path, host = broadcast_object(found, self.world_size > 1, src=holder)
         if error is not None:
@@ -1127,10 +1160,15 @@ class Checkpointer:
         if ckpt is None:
             return 0
         step = ckpt["global_step"]
-        if step >= self.args.num_iterations * self.args.batch_size:
-            if self.rank == 0:
-                print(f"run {self.run_name} is complete ({path}, step {step}): nothing to do")
-            leave(0, self.world_size > 1)
+        if step >= self.args.num_iterations * self.args.batch_size:  # done if its model was saved
+            done = False  # (a run preempted in its last iteration saved the total, not the model)
+            with contextlib.suppress(ValueError):
+                model = load_checkpoint(f"runs/{self.run_name}/{self.args.exp_name}.model", agent)
+                done = all(torch.equal(v, ckpt["model"][k]) for k, v in model["model"].items())
+            if broadcast_object(done, self.world_size > 1):  # rank 0's verdict: it saved the model
+                if self.rank == 0:
+                    print(f"run {self.run_name} is complete ({path}, step {step}): nothing to do")
+                leave(0, self.world_size > 1)
         agent.load_state_dict(ckpt["model"])  # in place: the gradient views stay valid
         # load_state_dict places each Adam `step` by the saved groups' kernel flags: use ours
         for group in ckpt["optimizer"]["param_groups"]:
@@ -1146,19 +1184,18 @@ class Checkpointer:
             where = f" (on {host}, rank {holder}'s node)" if holder else ""
             at = f"iteration {step // self.args.batch_size + 1}, global step {step}"
             print(f"resumed {path}{where}: {at}; environments start fresh")
+            if (was := ckpt["args"].get("total_timesteps")) != self.args.total_timesteps:
+                span = "the learning-rate schedule now spans the new total"
+                print(f"--total-timesteps {was} -> {self.args.total_timesteps}: {span}")
         return step
 
     def maybe_save(self, iteration, global_step, agent, optimizer, scaler, now=False):
         """Rank 0: save every --save-interval iterations and --save-minutes, at the end, and `now`.
         The path, or None: a failed save warns and training goes on; a final one sets save_error."""
         a = self.args
-        due = (
-            now
-            or iteration == a.num_iterations
-            or (a.save_interval and iteration % a.save_interval == 0)
-            or (a.save_minutes and time.time() - self.last_save > 60 * a.save_minutes)
-        )
-        if not due:
+        interval = a.save_interval and iteration % a.save_interval == 0
+        minutes = a.save_minutes and time.time() - self.last_save > 60 * a.save_minutes
+        if not (now or iteration == a.num_iterations or interval or minutes):
             return None
         ckpt = {"model": agent.state_dict(), "optimizer": optimizer.state_dict()}
         ckpt |= {"scaler": scaler.state_dict(), "iteration": iteration, "global_step": global_step}
@@ -1214,14 +1251,10 @@ class Preemption:
             what = "interrupted" if code == INTERRUPTED else "preempted"
             saved = f"saved {saved}" if saved else "not saved (see above)"
             # the same flags; `auto` finds a run by its flags, any other run needs its name
-            more = (
-                [] if args.resume == "auto" else ["--run-name", args.run_name, "--resume", "auto"]
-            )
-            again = ("torchrun ... " if distributed else "python ") + shlex.join(sys.argv + more)
-            print(
-                f"{what} ({', '.join(stopped)}): {saved}; exit {code}, continue with: {again}",
-                flush=True,
-            )
+            add = [] if args.resume == "auto" else ["--run-name", args.run_name, "--resume", "auto"]
+            again = ("torchrun ... " if distributed else "python ") + shlex.join(sys.argv + add)
+            line = f"{what} ({', '.join(stopped)}): {saved}; exit {code}, continue with: {again}"
+            print(line, flush=True)
         WHERE["phase"] = "exit"
         if distributed:
             dist.barrier()  # a rank that left early would make torchrun stop rank 0's save
@@ -1234,14 +1267,11 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
     each env plays as many games, so short games are not over-represented."""
     episodes, n_envs = args.eval_episodes, min(args.eval_episodes, max_envs)
     quota = math.ceil(episodes / n_envs)
-    thunks = [
-        make_env(args.env_id, i, args.capture_video, f"{run_name}-eval", args.frame_stack)
-        for i in range(n_envs)
-    ]
+    name, video, stack = f"{run_name}-eval", args.capture_video, args.frame_stack
+    thunks = [make_env(args.env_id, i, video, name, stack) for i in range(n_envs)]
     envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    games = [[] for _ in range(n_envs)]
-    # seeds no training env uses: games unseen in training
-    next_obs, _ = envs.reset(seed=env_seeds(args.seed + 10**6, 0, n_envs))
+    games = [[] for _ in range(n_envs)]  # returned by round: every env's k-th before a (k+1)-th
+    next_obs, _ = envs.reset(seed=env_seeds(args.seed + 10**6, 0, n_envs))  # unseen in training
     while min(len(g) for g in games) < quota:
         with torch.inference_mode():  # eager: --compile would compile this batch size
             action = agent.get_action_and_value(torch.as_tensor(next_obs, device=device))[0]
@@ -1250,7 +1280,6 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
             for i in np.flatnonzero(infos["final_info"]["_episode"]):
                 games[i].append(float(infos["final_info"]["episode"]["r"][i]))
     envs.close()
-    # the k-th game of every env before any env's (k+1)-th
     return [games[i][k] for k in range(quota) for i in range(n_envs)][:episodes]
 
 
@@ -1895,6 +1924,7 @@ def replicas_identical(params, device, distributed):
 # ================================================================================================
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    name_follows_world_size = not (args.run_name or args.num_envs or args.rank_envs)
 
     # ---- setup: torchrun's environment; plain `python` runs one process without a group ----
     distributed = "RANK" in os.environ
@@ -1986,7 +2016,7 @@ if __name__ == "__main__":
     )
     coef = loss_coefficients(args, device)  # 0-d tensors: a schedule below changes them in place
 
-    global_step = checkpointer.resume(agent, optimizer, scaler)
+    global_step = checkpointer.resume(agent, optimizer, scaler, name_follows_world_size)
     start_iteration = global_step // args.batch_size + 1
     if master_process:
         # purge_step: TensorBoard hides what a crashed run logged after its last checkpoint (all

@@ -223,6 +223,7 @@ def test_resume_continues_iteration_lr_schedule_and_stops_at_requested_total_wit
     path = tmp_path / "runs/r/checkpoints/ckpt_000000000128.pt"
     ckpt = torch.load(path, weights_only=True)
     ckpt["optimizer"]["param_groups"][0].update(fused=True, foreach=None)
+    del ckpt["digest"]  # (those trainers wrote none: an edited file keeping it is damaged)
     torch.save(ckpt, path)
     out = run_trainer(*common, "--resume", "auto")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -259,6 +260,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(run_tr
     ckpt = torch.load(ckpt_dir / "ckpt_000000000128.pt", weights_only=True)
     for state in ckpt["optimizer"]["state"].values():
         state["exp_avg"].fill_(float("nan"))
+    del ckpt["digest"]  # a file without one loads as it is (with it, it is damaged)
     torch.save(ckpt, tmp_path / "poisoned.pt")
     before = {p: open(p, "rb").read() for p in glob.glob(str(ckpt_dir / "*"))}
     out = run_trainer(*common, "--resume", "poisoned.pt")
@@ -490,7 +492,7 @@ def test_resume_with_other_algorithm_flags_is_refused_naming_old_and_new_values(
     assert ppo.resume_problem(ckpt, "c.pt", safe) is None
     changed = resolved(local_num_envs=2, total_timesteps=512, anneal_lr=False)
     msg = ppo.resume_problem(ckpt, "c.pt", changed)
-    assert "--total-timesteps 256 -> 512" in msg and "--anneal-lr True -> False" in msg
+    assert "--total-timesteps" not in msg and "--anneal-lr True -> False" in msg  # may extend
     msg = ppo.resume_problem(ckpt, "c.pt", resolved(2, local_num_envs=2))
     assert "--num-envs 2 -> 4" in msg and "--num-envs keeps the global batch" in msg
 

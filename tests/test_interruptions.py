@@ -147,6 +147,7 @@ def test_auto_resume_skips_a_corrupt_or_unfitting_newest_checkpoint_with_one_lin
         f.write(os.urandom(1000))  # 1,000 random bytes over the newest
     ckpt = torch.load(paths[1], weights_only=True)
     ckpt["args"]["learning_rate"] = 1.0  # the next newest belongs to another configuration
+    del ckpt["digest"]  # (edited: with it the file would be damaged, not another configuration's)
     torch.save(ckpt, paths[1])
     assert checkpointer.resume(*parts) == 64
     out = capsys.readouterr().out.splitlines()
