@@ -4,7 +4,6 @@ import contextlib
 import glob
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -334,8 +333,10 @@ def test_evaluation_plays_full_games_and_takes_the_same_number_from_every_env(mo
 def test_mixed_precision_run_trains_checkpoints_and_resumes(run_trainer, tmp_path, amp):
     common = [
         *TINY,
+        "--num-steps",  # 2 envs x 8 steps an iteration: fp16 convolutions are slow on a CPU
+        "8",
         "--total-timesteps",
-        "192",
+        "48",
         "--save-interval",
         "1",
         "--eval-episodes",
@@ -347,12 +348,12 @@ def test_mixed_precision_run_trains_checkpoints_and_resumes(run_trainer, tmp_pat
     ]
     assert run_trainer(*common).returncode == 0
     ckpt_dir = tmp_path / f"runs/{amp}/checkpoints"
-    os.remove(ckpt_dir / "ckpt_000000000192.pt")
+    os.remove(ckpt_dir / "ckpt_000000000048.pt")
     out = run_trainer(*common, "--resume", "auto")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "iteration 3, global step 128" in out.stdout and "iter 3/3" in out.stdout
-    final = torch.load(ckpt_dir / "ckpt_000000000192.pt", weights_only=True)
-    assert final["global_step"] == 192 and final["args"]["amp"] == amp
+    assert "iteration 3, global step 32" in out.stdout and "iter 3/3" in out.stdout
+    final = torch.load(ckpt_dir / "ckpt_000000000048.pt", weights_only=True)
+    assert final["global_step"] == 48 and final["args"]["amp"] == amp
     assert all(torch.isfinite(v).all() for v in final["model"].values())
     # fp16's loss scale travels with the checkpoint, so a resume does not restart it
     assert ("scale" in final["scaler"]) == (amp == "fp16")
@@ -406,38 +407,6 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_resumes_to_the_request
     assert (final["iteration"], final["global_step"]) == (16, 2048)
     steps = [s for s, _ in scalar_tags(run_dirs[0])["charts/SPS"]]
     assert steps == list(range(128, 2049, 128))  # every iteration once, none lost, none twice
-
-
-def test_a_hung_rank_makes_its_peer_fail_within_the_timeout(tmp_path):
-    timeout = 10  # --pg-timeout, far below the trainer's default (600 s) and gloo's (1800 s)
-    proc = launch(
-        tmp_path, [], "--total-timesteps", "1000000", "--pg-timeout", timeout, "--save-interval", 0
-    )
-    hung = None
-    try:
-        lines = [proc.stdout.readline()]
-        while not lines[-1].startswith("iter 1/"):  # both ranks passed an iteration's collectives
-            assert lines[-1], "".join(lines) + (tmp_path / "stderr.log").read_text()[-2000:]
-            lines.append(proc.stdout.readline())
-        hung = worker_pids(proc.pid)[1]
-        os.kill(hung, signal.SIGSTOP)
-        stopped = time.time()
-        wait_for(
-            lambda: re.search(
-                "stopped (responding|answering)", (tmp_path / "stderr.log").read_text()
-            ),
-            6 * timeout + 30,
-            "rank 0's error",
-        )
-        # the timeout, plus what is left of rank 0's iteration before its next collective and the
-        # error's own time: a generous margin on a slow machine, still far below the defaults
-        assert time.time() - stopped < 6 * timeout
-    finally:
-        if hung:
-            os.kill(hung, signal.SIGCONT)
-        proc.kill()
-        proc.wait()
-    assert "error [rank 0]" in (tmp_path / "stderr.log").read_text()
 
 
 # ---- cluster-proof resume ----
@@ -558,52 +527,28 @@ def test_resume_across_world_sizes_keeps_the_global_batch_and_logs_each_step_onc
     assert out.returncode == 0, out.stderr[-2000:]
     assert "resumed" in out.stdout and "global step 256" in out.stdout
     drop_after(512)
+    (name,) = [p.name for p in ckpts.iterdir()]
+    # requeued on 1 rank without --num-envs: 2 envs in all, another auto name, no checkpoint;
+    # it stops, naming the run and the flag that continues it (issue 41, item 8)
+    at = common.index("--num-envs")
+    fewer = common[:at] + common[at + 2 :]
+    out = run_trainer(*fewer, "--local-num-envs", "2")
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("error")]
+    assert out.returncode != 0 and "iter " not in out.stdout, out.stderr[-2000:]
+    assert f"run {name} " in line and "give --num-envs 4 to continue it" in line, line
+    assert "or --num-envs 2 to start a new run" in line
     out = run_trainer(*common, "--local-num-envs", "4")  # 2 -> 1 rank
     assert out.returncode == 0, out.stderr[-2000:]
     assert "global step 512" in out.stdout
     run_dirs = list(ckpts.iterdir())
-    assert len(run_dirs) == 1  # every launch of the same configuration found the same run
+    assert {p.parent.parent.name for p in ckpts.glob("*/checkpoints/*")} == {name}
     steps = [s for s, _ in scalar_tags(run_dirs[0])["charts/SPS"]]
     assert steps == list(range(128, 769, 128))
     out = run_trainer(*common, "--local-num-envs", "4")  # the finished run does nothing more
     assert out.returncode == 0 and "is complete" in out.stdout and "iter " not in out.stdout
-
-
-def test_preempted_run_checkpoints_and_the_same_command_finishes_it(tmp_path):
-    flags = [
-        "--total-timesteps",
-        "2560",
-        "--save-interval",
-        "0",
-        "--resume",
-        "auto",
-        "--eval-episodes",
-        "0",
-    ]
-    proc = launch(tmp_path, [], *flags)
-    try:
-        wait_for(lambda: glob.glob(str(tmp_path / "runs/*/events*")), 120, "training", proc)
-        lines = []
-        while not any(line.startswith("iter 2/") for line in lines):
-            lines.append(proc.stdout.readline())
-            assert lines[-1], "".join(lines)
-        proc.send_signal(signal.SIGTERM)  # as a scheduler would, to the launcher
-        stdout, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    stdout = "".join(lines) + stdout
-    assert "preempted" in stdout, stdout[-2000:] + (tmp_path / "stderr.log").read_text()[-2000:]
-    signalled_iter = max(
-        int(line.split()[1].split("/")[0]) for line in lines if line.startswith("iter")
-    )
-    saved = ppo.latest_checkpoint(glob.glob(str(tmp_path / "runs/*/checkpoints"))[0])
-    assert ppo.load_checkpoint(saved, agent())["iteration"] >= signalled_iter
-    proc = launch(tmp_path, [], *flags)
-    stdout, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, (tmp_path / "stderr.log").read_text()[-2000:]
-    assert "resumed" in stdout and "iter 20/20" in stdout
-    steps = [s for s, _ in scalar_tags(glob.glob(str(tmp_path / "runs/*"))[0])["charts/SPS"]]
-    assert steps == list(range(128, 2561, 128))  # exactly the requested steps, none twice
+    # a --num-envs given on purpose is a choice: a new run starts (one iteration), no stop
+    out = run_trainer(*fewer, "--num-envs", "2", "--total-timesteps", "64")
+    assert out.returncode == 0 and "iter 1/1" in out.stdout, out.stderr[-2000:]
 
 
 def pending_signals(pid):
