@@ -3,13 +3,17 @@
 #   bash benchmark/long_run.sh GAME SEED [extra trainer flags]      start, or continue
 #   bash benchmark/long_run.sh --stop GAME SEED                       preempt: save, exit 75
 #   bash benchmark/long_run.sh --keep GAME SEED                       copy results into the repo
-# The README's launch (2 ranks x 4 envs on the CPU, CleanRL's defaults, --resume auto), at low
+# The README's launch (2 ranks x 4 envs on the CPU, CleanRL's defaults, --resume auto; torchrun
+# as `$PYTHON -m torch.distributed.run`, PYTHON defaulting to python3), at low
 # priority, detached (setsid + nohup), in LONG_RUN_DIR/GAME_sSEED (default /work/long_runs): outside
 # the checkout, so a fresh clone neither carries nor deletes it. Every launch appends a line with
 # its date, commit and command to launches.log; the trainer's output goes to train.log.
-# --keep copies the events, logs, model file and the newest checkpoint to
-# benchmark/results/long_runs/GAME_sSEED/; a launch whose run directory is gone (a new machine)
-# starts from that checkpoint, so a lost machine loses only the steps after the last --keep.
+# --keep copies the events, logs and (at the end) the model file to
+# benchmark/results/long_runs/GAME_sSEED/, the results a commit keeps (checkpoints stay out of
+# git: 20 MB each). A launch whose run directory is gone starts from a checkpoint found there,
+# if one was put there by hand, else from step 0.
+# With the kernel's sched_autogroup on (the default), nice only ranks processes within their
+# session: `echo 0 > /proc/sys/kernel/sched_autogroup_enabled` lets other work come first.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mode=run
@@ -34,11 +38,6 @@ if [ "$mode" = keep ]; then
   cp "$dir"/launches.log "$dir"/train.log "$kept"/
   cp "$dir/runs/$run_name"/events.out.tfevents.* "$kept"/ 2>/dev/null || true
   cp "$dir/runs/$run_name"/*.model "$kept"/ 2>/dev/null || true
-  newest=$(ls "$dir/runs/$run_name/checkpoints"/ckpt_*.pt 2>/dev/null | sort -t_ -k2 -n | tail -1)
-  if [ -n "$newest" ]; then
-    rm -f "$kept"/ckpt_*.pt
-    cp "$newest" "$kept"/
-  fi
   ls -la "$kept"
   exit 0
 fi
@@ -57,7 +56,8 @@ if ! ls "runs/$run_name/checkpoints"/ckpt_*.pt >/dev/null 2>&1; then
     echo "# $(date -u +%FT%TZ) run directory seeded from $kept" >> launches.log
   fi
 fi
-cmd=(torchrun --standalone --nproc_per_node=2 "$repo/ppo_atari_multigpu.py" --no-cuda
+cmd=("${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc_per_node=2
+  "$repo/ppo_atari_multigpu.py" --no-cuda
   --env-id "$game" --seed "$seed" --local-num-envs 4 --total-timesteps 10000000
   --exp-name long --run-name "$run_name" --resume auto --save-minutes 10 --print-every 60 "$@")
 echo "$(date -u +%FT%TZ) $(git -C "$repo" rev-parse --short HEAD) ${cmd[*]}" >> launches.log
