@@ -209,6 +209,8 @@ def test_impala_trains_compiled_with_two_ranks(run_trainer, impala_copy):
     out = run_trainer(
         *tiny(ranks=2),
         "--compile",
+        "--threads",  # as the unit test above compiled its graphs, on a machine of any size
+        "1",
         launcher=torchrun(2, script=impala_copy),
         timeout=600,
     )
