@@ -2043,7 +2043,7 @@ if __name__ == "__main__":
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
         # a schedule of a loss coefficient is one line here, e.g.
-        # coef["ent_coef"].fill_(args.ent_coef * (1.0 - (iteration - 1.0) / args.num_iterations))
+        # coef["ent_coef"].fill_(args.ent_coef * (1 - iteration / args.num_iterations))
 
         # ---- rollout ----
         WHERE.update(phase="rollout", iteration=iteration)

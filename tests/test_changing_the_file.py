@@ -489,11 +489,14 @@ def test_changing_a_coefficient_in_place_changes_the_compiled_loss_without_a_rec
             agent.compiled_loss(agent, args, coef, *batch)
 
 
-def test_the_schedule_line_in_main_runs_uncommented(run_trainer, tmp_path):
-    line = (
-        '        # coef["ent_coef"].fill_(args.ent_coef * (1.0 - (iteration - 1.0) / '
-        "args.num_iterations))"
-    )
+def test_the_schedule_line_in_main_runs_uncommented_and_reaches_0_in_the_last_iteration(
+    run_trainer, tmp_path
+):
+    line = '        # coef["ent_coef"].fill_(args.ent_coef * (1 - iteration / args.num_iterations))'
+    value = line.split(".fill_(")[1][:-1]  # the scheduled value, as the line computes it
+    args = ppo.Args(ent_coef=0.01, num_iterations=4)
+    steps = [eval(value, {"args": args, "iteration": i}) for i in range(1, 5)]
+    assert steps[0] > steps[1] > steps[2] > steps[3] == 0.0  # issue 43: it ended at coef / N
     edit = [(line, line.replace("# ", "", 1))]
     copy = edited_copy(tmp_path / "schedule", edit)
     assert "\n" + line.replace("# ", "", 1) + "\n" in copy.read_text()
