@@ -287,9 +287,13 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 
 
 def output_size(module, obs_shape):
-    """Features `module` makes of one observation: sizes come from the data, not from literals."""
+    """Features `module` makes of one observation: sizes come from the data, not from literals.
+    In eval mode: a BatchNorm takes batch 1 and its running statistics stay untouched."""
+    training = module.training
     with torch.no_grad():
-        return module(torch.zeros(1, *obs_shape)).shape[1]
+        size = module.eval()(torch.zeros(1, *obs_shape)).shape[1]
+    module.train(training)
+    return size
 
 
 def nature_cnn(obs_shape):
@@ -855,12 +859,13 @@ WHERE = {"phase": "setup", "iteration": 0}  # MAIN's stage: what the FailureBoar
 
 
 class FailureBoard:
-    """A watcher thread beats host, pid and WHERE into the launcher's store each second; a posted
-    failure, a dead peer, or one silent min(--pg-timeout, 60) s (10 s if stopped here) stops us."""
+    """A watcher thread beats host, pid and WHERE into the launcher's store each second until the
+    process ends (a peer may wait on our slow save); a posted failure, a dead peer, or one silent
+    min(--pg-timeout / 2, 60) s (10 s if stopped here) stops us: named before a collective fails."""
 
     def __init__(self, store, rank, world_size, pg_timeout, orphaned):
         self.store, self.rank, self.world_size, self.orphaned = store, rank, world_size, orphaned
-        self.stale_after, self.parent, self.seen = min(pg_timeout, 60.0), os.getppid(), {}
+        self.stale_after, self.parent, self.seen = min(pg_timeout / 2, 60.0), os.getppid(), {}
         self.me, self.beat, self.store_alive = [socket.gethostname(), os.getpid()], 0, True
         threading.Thread(target=self.watch, daemon=True).start()
 
@@ -883,6 +888,8 @@ class FailureBoard:
         """{rank: line} for each peer that died without a word or stopped beating: where it was."""
         lines, now = {}, time.time()
         for r, ((host, pid, phase, iteration, _), since) in sorted(self.seen.items()):
+            if phase == "exit":  # it left on purpose (fail, or after a preemption's save)
+                continue
             who = f"rank {r} ({host}, pid {pid})"
             where = f"in the {phase} of iteration {iteration}" if iteration else f"in {phase}"
             state = proc_state(pid) if host == self.me[0] else "?"  # "?": another node's
@@ -895,7 +902,7 @@ class FailureBoard:
 
     def watch(self):
         keys, silent = [f"seen/{r}" for r in range(self.world_size)], {}
-        while WHERE["phase"] not in ("exit", "end"):  # leaving ranks are no news
+        while True:  # a daemon thread: it ends with the process
             if os.getppid() != self.parent:  # reparented: our launcher died (SIGKILL, SIGUSR1)
                 self.parent, self.store_alive = os.getppid(), False  # its store may be gone too
                 self.orphaned()
@@ -910,7 +917,7 @@ class FailureBoard:
             before, silent = silent, self.silent_peers()
             posted = self.posted()
             line = posted or next((silent[r] for r in sorted(silent) if r in before), None)
-            if line is not None and WHERE["phase"] not in ("exit", "end"):
+            if line is not None and WHERE["phase"] not in ("exit", "end"):  # leaving: no judge
                 if not posted:
                     self.post(line)
                 stop = "stopping, " if posted else ""
@@ -1063,9 +1070,8 @@ def resume_problem(ckpt, path, args: Args):
             "cannot continue from it: resume from runs/<run>/checkpoints/ckpt_*.pt, or play "
             "it with --eval-checkpoint"
         )
-    saved, now = ckpt.get("args", {}), identity(args)
-    was = {k: saved.get(k, getattr(Args, k, None)) for k in now}  # older files: the defaults
-    changed = [f"{flag(k)} {was[k]} -> {v}" for k, v in now.items() if was[k] != v]
+    saved, now = ckpt.get("args", {}), identity(args)  # a field it lacks: Checkpointer.resume
+    changed = [f"{flag(k)} {saved[k]} -> {v}" for k, v in now.items() if saved.get(k, v) != v]
     if changed:
         return (
             f"{path} was trained with other flags ({', '.join(changed)}): resume with the saved "
@@ -1093,7 +1099,7 @@ class Checkpointer:
     def __init__(self, args: Args, run_name, rank, world_size):
         self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
         self.rank, self.world_size = rank, world_size
-        self.save_error, self.lock, self.split = None, None, None
+        self.save_error, self.lock, self.split, self.saved_once = None, None, None, False
         self.start = self.last_save = time.time()
 
     def lock_run_dir(self):
@@ -1170,9 +1176,14 @@ class Checkpointer:
                     print(f"run {self.run_name} is complete ({path}, step {step}): nothing to do")
                 leave(0, self.world_size > 1)
         agent.load_state_dict(ckpt["model"])  # in place: the gradient views stay valid
-        # load_state_dict places each Adam `step` by the saved groups' kernel flags: use ours
+        # The flags' settings (lr, betas, eps, weight decay, kernel), never the file's: loading
+        # places each `step` by the groups' kernel flags, and a new flag must not be overridden
+        ours = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         for group in ckpt["optimizer"]["param_groups"]:
-            group.update({k: optimizer.param_groups[0][k] for k in ("fused", "foreach")})
+            if foreign := sorted(group.keys() - ours.keys() - {"params"}):  # e.g. Adam's betas
+                msg = f"{path} was saved by another optimizer (its {', '.join(foreign)}): a new run"
+                fail(msg, self.rank, self.world_size)
+            group.update(ours)
         optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt.get("scaler"):
             scaler.load_state_dict(ckpt["scaler"])
@@ -1184,14 +1195,17 @@ class Checkpointer:
             where = f" (on {host}, rank {holder}'s node)" if holder else ""
             at = f"iteration {step // self.args.batch_size + 1}, global step {step}"
             print(f"resumed {path}{where}: {at}; environments start fresh")
+            if unknown := [flag(k) for k in identity(self.args) if k not in ckpt["args"]]:
+                print(f"{path} predates {', '.join(unknown)}: this launch's values are used")
             if (was := ckpt["args"].get("total_timesteps")) != self.args.total_timesteps:
                 span = "the learning-rate schedule now spans the new total"
                 print(f"--total-timesteps {was} -> {self.args.total_timesteps}: {span}")
         return step
 
-    def maybe_save(self, iteration, global_step, agent, optimizer, scaler, now=False):
+    def maybe_save(self, iteration, global_step, agent, optimizer, scaler, now=False, update_s=0):
         """Rank 0: save every --save-interval iterations and --save-minutes, at the end, and `now`.
-        The path, or None: a failed save warns and training goes on; a final one sets save_error."""
+        The path, or None: a failed save warns and training goes on; a final one sets save_error.
+        The first says the grace a preemption needs: the update it may come in, then a save."""
         a = self.args
         interval = a.save_interval and iteration % a.save_interval == 0
         minutes = a.save_minutes and time.time() - self.last_save > 60 * a.save_minutes
@@ -1201,7 +1215,7 @@ class Checkpointer:
         ckpt |= {"scaler": scaler.state_dict(), "iteration": iteration, "global_step": global_step}
         ckpt |= {"args": vars(a), "world_size": self.world_size, "elapsed": self.elapsed()}
         try:
-            path = save_checkpoint(ckpt, self.dir, a.keep_checkpoints)
+            t_save, path = time.time(), save_checkpoint(ckpt, self.dir, a.keep_checkpoints)
         except OSError as e:  # the older checkpoints are intact: the next save tries again
             error = f"checkpoint at step {global_step} was not saved: {one_line(e, 160)}"
             if iteration == a.num_iterations and not now:  # MAIN stops the run with it
@@ -1211,18 +1225,22 @@ class Checkpointer:
             else:
                 warn(f"{error}; the next save tries again")
             return None
-        self.last_save = time.time()
+        if not self.saved_once:
+            grace = f"the update's {update_s:.1f} s + this save" if update_s else "this save"
+            took = f"saved {path} in {time.time() - t_save:.1f} s: a preemption needs {grace}"
+            print(f"{took} (torchrun --shutdown-timeout, default 30 s)", flush=True)
+        self.last_save, self.saved_once = time.time(), True
         return path
 
 
-# ---- PREEMPTION: on SIGTERM / SIGUSR1 / Ctrl-C finish the iteration, checkpoint, exit 75 / 130 -
+# ---- PREEMPTION: on SIGTERM / SIGUSR1 / Ctrl-C stop the rollout, checkpoint, exit 75 / 130 ----
 PREEMPTED = 75  # EX_TEMPFAIL ("try again later"): requeue and rerun with --resume auto
 INTERRUPTED = 130  # 128 + SIGINT: what a shell reports after a Ctrl-C
 
 
 class Preemption:
-    """Notes a scheduler's warning signal or a Ctrl-C, polled once per iteration (the ranks agree
-    in the report gather). After a Ctrl-C a second signal exits at once (checkpoints are atomic)."""
+    """Notes a scheduler's warning signal or a Ctrl-C: the rollout stops at its next step, the ranks
+    agree after it. After a Ctrl-C a second signal exits at once (checkpoints are atomic)."""
 
     def __init__(self, master_process, signals=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)):
         self.master, self.signalled, self.since = master_process, None, 0.0
@@ -1242,6 +1260,12 @@ class Preemption:
             os._exit(INTERRUPTED)
         if self.signalled is None:
             self.signalled, self.since = name, time.time()
+
+    def agreed(self, world_size, clock):
+        """After each rollout, on every rank: the signalled ranks (alike on all; [] goes on)."""
+        with clock:  # it waits for the slowest rank's rollout, as the update's first collective
+            signals = gather_reports(self.signalled, world_size)
+        return [f"rank {r}: {s}" for r, s in enumerate(signals) if s]
 
     def exit_after_save(self, stopped, saved, args: Args, distributed):
         """After rank 0's save every rank exits INTERRUPTED if each signal was a Ctrl-C, else
@@ -1907,14 +1931,20 @@ def check_iteration(params, buckets, scaler, iteration, global_step, rank, world
         fail(f"{msg} {where}", rank, world_size)
 
 
-def replicas_identical(params, device, distributed):
-    """Compare every rank's weights with rank 0's (one broadcast, one tiny all-reduce)."""
+def broadcast_from_rank0(tensors):
+    """Rank 0's values into `tensors` on every rank, in place (the .grad views stay valid)."""
+    for tensor in tensors:
+        collective(dist.broadcast, tensor, src=0)
+
+
+def replicas_identical(agent, device, distributed):
+    """Compare every rank's weights and buffers with rank 0's (one broadcast, a tiny all-reduce)."""
     if not distributed:
         return True
-    flat_params = torch.cat([p.detach().reshape(-1) for p in params])
-    reference = flat_params.clone()
+    state = torch.cat([t.detach().reshape(-1).double() for t in agent.state_dict().values()])
+    reference = state.clone()
     collective(dist.broadcast, reference, src=0)
-    same = torch.tensor([float(torch.equal(flat_params, reference))], device=device)
+    same = torch.tensor([float(torch.equal(state, reference))], device=device)
     collective(dist.all_reduce, same, op=dist.ReduceOp.MIN)
     return bool(same.item())
 
@@ -1995,10 +2025,11 @@ if __name__ == "__main__":
         fail(e, rank, world_size)
 
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n).to(device)
-    if distributed:  # every replica starts from rank 0's weights
-        flat_params = nn.utils.parameters_to_vector(agent.parameters())
-        collective(dist.broadcast, flat_params, src=0)
-        nn.utils.vector_to_parameters(flat_params, agent.parameters())
+    batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in agent.modules())
+    if args.grad_accum > 1 and batch_norm and master_process:
+        warn("--grad-accum under BatchNorm: each micro-batch's statistics, not the same gradient")
+    if distributed:  # every replica starts from rank 0's weights and buffers (BatchNorm's)
+        broadcast_from_rank0(agent.state_dict().values())
     overlap = world_size > 1 and args.bucket_mb > 0
     agent = speed_up(agent, args, overlap, say=print if master_process else None)
     policy = getattr(agent, "compiled_policy", agent.get_action_and_value)  # --compile
@@ -2008,13 +2039,14 @@ if __name__ == "__main__":
     # may only change speed. --compile: fused, one kernel for the step (measured faster).
     kernel = {"fused": True} if args.compile else {"foreach": True}
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, **kernel)
-    params = list(agent.parameters())
+    params = [p for p in agent.parameters() if p.requires_grad]  # frozen ones get no gradient
     flat_grads = flat_grad_buffer(params, len(LOSS_STATS))
     collective_clock = CollectiveClock(device)
     buckets = GradBuckets(
         params, flat_grads, args.bucket_mb, world_size, args.allreduce_fp16, clock=collective_clock
     )
     coef = loss_coefficients(args, device)  # 0-d tensors: a schedule below changes them in place
+    state = (agent, optimizer, scaler)  # what a checkpoint holds
 
     global_step = checkpointer.resume(agent, optimizer, scaler, name_follows_world_size)
     start_iteration = global_step // args.batch_size + 1
@@ -2053,6 +2085,8 @@ if __name__ == "__main__":
         # no casts under inference_mode, hence no_grad).
         with torch.no_grad(), autocast:
             for step in range(args.num_steps):
+                if preemption.signalled:  # a resume discards a partial rollout: stop it now
+                    break
                 global_step += args.num_envs
                 obs[step] = next_obs
                 dones[step] = next_done
@@ -2083,6 +2117,11 @@ if __name__ == "__main__":
                     next_obs_np, reward, terminations | truncations
                 )
         rollout_time, rollout_util = time.perf_counter() - t_rollout, gpu_util(device)
+        # ---- preemption: any rank's signal -> every rank saves the last update's state, exits --
+        if stopped := preemption.agreed(world_size, collective_clock):
+            global_step, done = (iteration - 1) * args.batch_size, iteration - 1
+            saved = master_process and checkpointer.maybe_save(done, global_step, *state, now=True)
+            preemption.exit_after_save(stopped, saved, args, distributed)
 
         # ---- advantages (GAE) ----
         WHERE["phase"], t_update = "update", time.perf_counter()
@@ -2122,6 +2161,8 @@ if __name__ == "__main__":
         if device.type == "cuda":
             torch.cuda.synchronize()  # for the timing only: the update's kernels may be queued
         update_time = time.perf_counter() - t_update
+        if distributed:  # no gradient averages BatchNorm's running statistics: rank 0's, as DDP
+            broadcast_from_rank0(agent.buffers())
         check_iteration(params, buckets, scaler, iteration, global_step, rank, world_size)
 
         # ---- logging: every rank's episodes and timings, the losses averaged over ranks ----
@@ -2135,7 +2176,6 @@ if __name__ == "__main__":
             "envs": args.local_num_envs,
             "times": dict(times, allreduce=collective_clock.read()),
             "resources": rank_resources(device, [rollout_util, gpu_util(device)]),
-            "signal": preemption.signalled,  # a scheduler's warning signal on this rank
         }
         WHERE["phase"] = "report"
         reports = gather_reports(report, world_size)
@@ -2160,19 +2200,14 @@ if __name__ == "__main__":
                 storage, next_obs, next_done = start_rollouts(envs, args, seed, rank, device)
                 obs, actions, logprobs, rewards, dones, values = storage
 
-        # ---- checkpoint; on a preemption signal (any rank) all ranks stop after this save ----
-        stopped = [f"rank {r}: {rep['signal']}" for r, rep in enumerate(reports) if rep["signal"]]
-        saved, WHERE["phase"] = None, "save"
+        # ---- checkpoint (a signal in this update stops the next rollout at once) ----
+        WHERE["phase"] = "save"
         if master_process:
-            saved = checkpointer.maybe_save(
-                iteration, global_step, agent, optimizer, scaler, now=bool(stopped)
-            )
-        if stopped:
-            preemption.exit_after_save(stopped, saved, args, distributed)
+            checkpointer.maybe_save(iteration, global_step, *state, update_s=update_time)
 
     # ---- the end: replicas must still agree; save, evaluate, leave ----
     WHERE["phase"] = "end"
-    replicas_ok = replicas_identical(params, device, distributed)
+    replicas_ok = replicas_identical(agent, device, distributed)
     envs.close()
     if distributed:
         dist.destroy_process_group()  # evaluation below is rank 0's alone: no peer waits on it

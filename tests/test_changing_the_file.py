@@ -588,3 +588,75 @@ def test_thread_counts_on_cuda_leave_torch_one_thread_and_give_the_emulators_the
     assert counts(CPU, local_num_envs=8) == (16, 16)  # CPU: torch and emulators share them
     assert counts(CPU, ranks=2, local_num_envs=8) == (8, 8)
     assert counts(CPU, ranks=2, local_num_envs=64, async_envs=True) == (8, 8)
+
+
+# ---- 7. issue 43: a frozen encoder, BatchNorm, AdamW with a new flag ---------------------------
+FREEZE_EDIT = [
+    (
+        "        self.network = nature_cnn(obs_shape)",
+        "        self.network = nature_cnn(obs_shape).requires_grad_(False)  # frozen",
+    )
+]
+FIRST_CONV = "        layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),"
+BATCH_NORM_EDIT = [(FIRST_CONV, FIRST_CONV + "\n        nn.BatchNorm2d(32),")]
+
+
+def test_a_frozen_encoder_with_batch_norm_trains_on_two_ranks_with_equal_buffers(
+    run_trainer, tmp_path
+):
+    copy = edited_copy(tmp_path / "frozen-bn", FREEZE_EDIT + BATCH_NORM_EDIT)
+    flags = [*tiny(ranks=2), "--grad-accum", "2", "--run-name", "f", "--save-interval", "1"]
+    out = run_trainer(*flags, launcher=torchrun(2, script=copy), timeout=300)
+    # every rank's weights AND buffers equal rank 0's: the running statistics are broadcast
+    finished(out, 2)
+    warning = "warning: --grad-accum under BatchNorm: each micro-batch's statistics"
+    assert warning in out.stderr
+    first = torch.load(tmp_path / "runs/f/checkpoints/ckpt_000000000128.pt", weights_only=True)
+    final = torch.load(tmp_path / "runs/f/ppo_atari_multigpu.model", weights_only=True)
+    for k, v in first["model"].items():  # after iteration 1 of 2
+        frozen = k.startswith("network.") and "running_" not in k and "num_batches" not in k
+        assert torch.equal(v, final[k]) == frozen, k  # the heads trained, the encoder did not
+    assert final["network.1.num_batches_tracked"] > 0  # the BatchNorm ran in training mode
+
+
+def test_sizes_are_probed_in_eval_mode_without_touching_a_batch_norms_statistics(monkeypatch):
+    def batch_norm_cnn(obs_shape):
+        convs = nn.Sequential(nn.Conv2d(obs_shape[0], 8, 8, stride=4), nn.BatchNorm2d(8))
+        convs.append(nn.Flatten())
+        fc = nn.Linear(ppo.output_size(convs, obs_shape), 16)
+        return nn.Sequential(*convs, fc, nn.BatchNorm1d(16), nn.ReLU())  # batch 1: eval only
+
+    monkeypatch.setattr(ppo, "nature_cnn", batch_norm_cnn)
+    agent = ppo.Agent((4, 84, 84), N_ACTIONS)
+    assert agent.actor.in_features == 16 and agent.training and agent.network.training
+    for bn in (agent.network[1], agent.network[4]):
+        assert bn.num_batches_tracked == 0 and (bn.running_mean == 0).all()
+
+
+WEIGHT_DECAY_EDIT = [
+    (
+        '    """coefficient of the value function"""',
+        '    """coefficient of the value function"""\n'
+        '    weight_decay: float = 0.01\n    """AdamW\'s decoupled weight decay"""\n',
+    ),
+    (
+        "    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, **kernel)",
+        "    optimizer = optim.AdamW(agent.parameters(), lr=args.learning_rate, eps=1e-5, "
+        "weight_decay=args.weight_decay, **kernel)",
+    ),
+]
+
+
+def test_adamw_with_a_new_flag_resumes_an_older_checkpoint_with_its_own_weight_decay(
+    run_trainer, tmp_path
+):
+    finished(run_trainer(*tiny(), "--run-name", "w"), 1)  # Adam, before the edit
+    copy = edited_copy(tmp_path / "adamw", WEIGHT_DECAY_EDIT)
+    older = "runs/w/checkpoints/ckpt_000000000128.pt"
+    flags = [*tiny(), "--run-name", "w", "--resume", older, "--total-timesteps", "256"]
+    out = run_trainer(*flags, launcher=[sys.executable, str(copy)], timeout=300)
+    finished(out, 1)
+    assert f"{older} predates --weight-decay: this launch's values are used" in out.stdout
+    ckpt = torch.load(tmp_path / "runs/w/checkpoints/ckpt_000000000256.pt", weights_only=True)
+    group = ckpt["optimizer"]["param_groups"][0]
+    assert group["weight_decay"] == 0.01 and group["decoupled_weight_decay"]  # not the file's

@@ -529,7 +529,7 @@ def test_a_launcher_killed_by_sigkill_stops_its_workers_with_a_checkpoint_the_sa
     # each iteration logged once: the first launch's up to its checkpoint, then the second's
     steps = [s for s, _ in scalar_tags(tmp_path / "runs/r")["charts/SPS"]]
     assert steps == list(range(BATCH, steps[-1] + 1, BATCH)), steps
-    assert steps[-1] > step + BATCH
+    assert steps[-1] >= step + BATCH  # the resumed launch's first iteration, at least
 
 
 def test_a_launcher_killed_by_sigusr1_unforwarded_stops_its_workers_with_a_checkpoint(

@@ -4,6 +4,7 @@ bit rot inside a checkpoint (a requeue at another world size: test_checkpoints' 
 Every fault is real: real files, a real SIGTERM in the run's last iteration."""
 
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -12,7 +13,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import SCRIPT, TINY, scalar_tags
+from conftest import SCRIPT, TINY, scalar_tags, torchrun
 
 import ppo_atari_multigpu as ppo
 
@@ -34,16 +35,16 @@ def run(cwd, *flags, wrapper=None, sizes=TINY):
     )
 
 
-# ---- preempted in the last iteration; a finished run extended; flags that differ ----
-# The process sends itself SIGTERM as iteration 1 of 2 prints its line: the signal is noted before
-# the last iteration's report on any machine, so that iteration saves at the total and exits 75.
-SIGTERM_IN_THE_LAST_ITERATION = """import builtins, os, runpy, signal, sys
+# ---- killed after its last checkpoint; a finished run extended; flags that differ ----
+# The process SIGKILLs itself as it prints the summary: after the final checkpoint, before the
+# model file is written (the summary comes between them).
+KILLED_BEFORE_THE_MODEL = """import builtins, os, runpy, signal, sys
 print_ = builtins.print
-def print_then_sigterm(*args, **kwargs):
+def print_then_die(*args, **kwargs):
     print_(*args, **kwargs)
-    if args and str(args[0]).startswith("iter 1/2 "):
-        os.kill(os.getpid(), signal.SIGTERM)
-builtins.print = print_then_sigterm
+    if args and str(args[0]).startswith("done: "):
+        os.kill(os.getpid(), signal.SIGKILL)
+builtins.print = print_then_die
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -51,18 +52,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.fixture(scope="module")
 def extended_run(tmp_path_factory):
-    """One `--resume auto` run (no --run-name): preempted in its last iteration, requeued with the
+    """One `--resume auto` run (no --run-name): killed after its final checkpoint, requeued with the
     same command, extended to 256 steps by the same command and to 384 with --run-name, then
     launched with --run-name and other flags. Returns cwd, its run name, the outputs, and what
-    the run directory held after the preemption and after the requeue."""
+    the run directory held after the kill and after the requeue."""
     cwd = tmp_path_factory.mktemp("extended")
-    (cwd / "preempt.py").write_text(SIGTERM_IN_THE_LAST_ITERATION)
+    (cwd / "die.py").write_text(KILLED_BEFORE_THE_MODEL)
     auto = ["--save-interval", 1, "--keep-checkpoints", 2, "--resume", "auto"]
     first = [*auto, "--total-timesteps", 128, "--eval-episodes", 1]
-    outs = {"preempted": run(cwd, *first, wrapper=cwd / "preempt.py")}
+    outs = {"killed": run(cwd, *first, wrapper=cwd / "die.py")}
     (name,) = os.listdir(cwd / "runs")
     model = cwd / "runs" / name / "ppo_atari_multigpu.model"
-    held = {"preempted": sorted(os.listdir(cwd / "runs" / name))}
+    held = {"killed": [*os.listdir(cwd / "runs" / name), *os.listdir(model.parent / "checkpoints")]}
     outs["requeued"] = run(cwd, *first)
     held["requeued"] = sorted(os.listdir(cwd / "runs" / name))
     final = cwd / "runs" / name / "checkpoints/ckpt_000000000128.pt"  # the total: 2 x 64 steps
@@ -75,15 +76,14 @@ def extended_run(tmp_path_factory):
     return cwd, name, outs, held, weights
 
 
-def test_a_run_preempted_in_its_last_iteration_saves_its_model_and_evaluates_when_requeued(
+def test_a_run_killed_after_its_final_checkpoint_saves_its_model_and_evaluates_when_requeued(
     extended_run,
 ):
     cwd, name, outs, held, weights = extended_run
-    preempted, requeued = outs["preempted"], outs["requeued"]
-    final = f"runs/{name}/checkpoints/ckpt_000000000128.pt"
-    assert preempted.returncode == ppo.PREEMPTED, preempted.stderr[-2000:]
-    assert f"preempted (rank 0: SIGTERM): saved {final}; exit 75" in preempted.stdout
-    assert "ppo_atari_multigpu.model" not in held["preempted"]
+    killed, requeued = outs["killed"], outs["requeued"]
+    assert killed.returncode == -9 and "done: 128 steps" in killed.stdout, killed.stderr[-2000:]
+    assert "ckpt_000000000128.pt" in held["killed"]
+    assert "ppo_atari_multigpu.model" not in held["killed"]
     assert requeued.returncode == 0, requeued.stdout[-2000:] + requeued.stderr[-2000:]
     assert "nothing to do" not in requeued.stdout and "iter " not in requeued.stdout
     assert "done: 128 steps" in requeued.stdout and "replicas identical: True" in requeued.stdout
@@ -119,6 +119,70 @@ def test_a_resume_with_other_flags_names_only_real_flags_and_a_shared_mismatch_o
     for derived in ("--batch-size", "--minibatch-size", "--num-iterations", "--world-size"):
         assert derived not in text  # not flags: --num-envs and --num-steps make them
     assert "error: no checkpoint in" in out.stderr  # the files are listed, nothing overwritten
+
+
+# ---- a signal in the rollout saves at once; a slow final save on rank 0 ----
+# The process sends itself SIGTERM in its 37th env step: step 5 of iteration 2's 32.
+SIGTERM_IN_A_ROLLOUT = """import atexit, os, runpy, signal, sys
+import gymnasium as gym
+step, calls = gym.vector.SyncVectorEnv.step, []
+def step_then_sigterm(self, actions):
+    calls.append(1)
+    if len(calls) == 37:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return step(self, actions)
+gym.vector.SyncVectorEnv.step = step_then_sigterm
+atexit.register(lambda: print("env steps:", len(calls)))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+FIRST_SAVE = (
+    r"saved runs/r/checkpoints/ckpt_000000000064\.pt in \d+\.\d s: a preemption needs the "
+    r"update's \d+\.\d s \+ this save \(torchrun --shutdown-timeout, default 30 s\)"
+)
+
+
+def test_a_signal_in_the_rollout_stops_it_at_its_next_step_and_saves_the_last_update(tmp_path):
+    (tmp_path / "sigterm.py").write_text(SIGTERM_IN_A_ROLLOUT)
+    out = run(tmp_path, *FLAGS, "--run-name", "r", wrapper=tmp_path / "sigterm.py")
+    assert out.returncode == ppo.PREEMPTED, out.stdout[-2000:] + out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert "env steps: 37" in lines  # the step the signal came in, then no other
+    saved = "runs/r/checkpoints/ckpt_000000000064.pt"  # iteration 1's: iteration 2 is discarded
+    assert any(x.startswith(f"preempted (rank 0: SIGTERM): saved {saved}; exit 75") for x in lines)
+    assert not any(x.startswith("iter 2/") for x in lines)
+    assert torch.load(tmp_path / saved, weights_only=True)["global_step"] == 64
+    # the first save says how long a preemption's grace must be
+    assert len([x for x in lines if re.fullmatch(FIRST_SAVE, x)]) == 1, out.stdout[-2000:]
+
+
+# Rank 0's first fsync, its final checkpoint's, takes 22 s (a slow network disk): longer than the
+# failure board's silence limit (--pg-timeout / 2), shorter than a collective's --pg-timeout.
+SLOW_FIRST_FSYNC = """#!/bin/sh
+if [ "$RANK" = 0 ]; then
+  exec strace -qq -f --seccomp-bpf -o /dev/null -e trace=fsync \\
+    -e inject=fsync:delay_enter=22s:when=1 "$@"
+fi
+exec "$@"
+"""
+
+
+def test_a_final_save_slower_than_the_silence_limit_ends_the_run_normally(tmp_path):
+    wrapper = tmp_path / "slow_fsync.sh"
+    wrapper.write_text(SLOW_FIRST_FSYNC)
+    wrapper.chmod(0o755)
+    flags = [*TINY, "--total-timesteps", 256, "--save-interval", 0, "--eval-episodes", 0]
+    flags += ["--pg-timeout", 30, "--run-name", "r"]
+    cmd = [*torchrun(2, "--no-python", script=wrapper), sys.executable, str(SCRIPT)]
+    out = subprocess.run(
+        [*cmd, *map(str, flags)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    final = r"saved runs/r/checkpoints/ckpt_000000000256\.pt in (\d+\.\d) s"
+    (took,) = re.findall(final, out.stdout)
+    assert float(took) >= 22  # the fault was real: rank 0 saved for longer than the limit
+    assert "error" not in out.stderr, out.stderr[-3000:]
+    assert (tmp_path / "runs/r/ppo_atari_multigpu.model").is_file()
 
 
 # ---- a user's own file; an old checkpoint that cannot be removed; bit rot ----
@@ -194,7 +258,7 @@ def test_a_flipped_bit_in_a_checkpoints_tensor_data_is_damage_auto_falls_back_a_
     assert last.startswith(f"error: checkpoint {damaged} is unreadable (damaged")
     out = run(tmp_path, *flags, "auto")
     assert out.returncode == 0, out.stderr[-2000:]
-    (line,) = [x for x in out.stdout.splitlines() if damaged in x]
+    (line,) = [x for x in out.stdout.splitlines() if damaged in x and not x.startswith("saved ")]
     assert line.startswith(f"warning: skipped checkpoint {damaged} is unreadable (damaged")
     assert "resumed runs/p/checkpoints/ckpt_000000000064.pt: iteration 2" in out.stdout
     assert "iter 2/2" in out.stdout  # and the run ends, saving a sound checkpoint at the total
