@@ -337,7 +337,8 @@ class Agent(nn.Module):
             probs = Categorical(logits=self.actor(features), validate_args=False)
             if action is None:
                 action = probs.sample()
-            return action, probs.log_prob(action), probs.entropy(), self.critic(features)
+            out = dict(action=action, logprob=probs.log_prob(action), entropy=probs.entropy())
+            return out | dict(value=self.critic(features))  # by name: a new head, one more entry
 
 
 def start_rollouts(envs, args, seed, rank, device):
@@ -346,11 +347,11 @@ def start_rollouts(envs, args, seed, rank, device):
     shape = (args.num_steps, args.local_num_envs)
     obs = frame_buffer(shape + envs.single_observation_space.shape, args.channels_last, device)
     actions = torch.zeros(shape, dtype=torch.long, device=device)
-    logprobs, rewards, dones, values = (torch.zeros(shape, device=device) for _ in range(4))
+    logprobs, rewards, dones, values, bootstraps = torch.zeros((5, *shape), device=device)
     seeds = env_seeds(seed, rank, args.local_num_envs, args.rank_envs)
     next_obs = upload(envs.reset(seeds), device)
     next_done = torch.zeros(args.local_num_envs, device=device)
-    return (obs, actions, logprobs, rewards, dones, values), next_obs, next_done
+    return (obs, actions, logprobs, rewards, dones, values, bootstraps), next_obs, next_done
 
 
 def compute_gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
@@ -398,10 +399,12 @@ def loss_coefficients(args: Args, device):
     return {name: torch.tensor(float(getattr(args, name)), device=device) for name in names}
 
 
-def ppo_loss(agent, args, coef, obs, actions, logprobs, advantages, returns, values):
-    """The clipped PPO loss of one (micro-)batch, and its LOSS_STATS as one small tensor."""
-    _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
-    logratio = newlogprob - logprobs
+def ppo_loss(agent, args, coef, mb):
+    """The clipped PPO loss of one (micro-)batch (a dict: MAIN's `batch`), and its LOSS_STATS as
+    one small tensor."""
+    new = agent.get_action_and_value(mb["obs"], mb["actions"])
+    advantages, returns, values = mb["advantages"], mb["returns"], mb["values"]
+    logratio = new["logprob"] - mb["logprobs"]
     ratio = logratio.exp()
     stats = {}
     with torch.no_grad():
@@ -411,7 +414,7 @@ def ppo_loss(agent, args, coef, obs, actions, logprobs, advantages, returns, val
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1 - coef["clip_coef"], 1 + coef["clip_coef"])
     pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-    newvalue = newvalue.view(-1)
+    newvalue = new["value"].view(-1)
     if args.clip_vloss:
         v_loss_unclipped = (newvalue - returns) ** 2
         v_clipped = values + torch.clamp(newvalue - values, -coef["clip_coef"], coef["clip_coef"])
@@ -419,7 +422,7 @@ def ppo_loss(agent, args, coef, obs, actions, logprobs, advantages, returns, val
         v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
     else:
         v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
-    entropy_loss = entropy.mean()
+    entropy_loss = new["entropy"].mean()
     loss = pg_loss - coef["ent_coef"] * entropy_loss + v_loss * coef["vf_coef"]
     stats.update(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy_loss)
     return loss, torch.stack([stats[name] for name in LOSS_STATS]).detach()
@@ -540,8 +543,7 @@ def minibatch_gradient(agent, args, coef, batch, mb_inds, buckets, autocast, sca
     buckets.wait() buckets.flat holds its gradient averaged over ranks, then its LOSS_STATS.
     A rank's loss counts by its share of the global minibatch: the average is the gradient on
     the union, even with --rank-envs. --grad-accum K: K micro-batch means / K, a backward each."""
-    b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values = batch
-    mb_advantages = b_advantages[mb_inds]
+    mb_advantages = batch["advantages"][mb_inds]
     if args.norm_adv:
         with buckets.clock:  # its tiny all-reduce is where ranks wait for a slower rollout
             mb_advantages = normalize_advantages(mb_advantages, args.world_size)
@@ -552,9 +554,10 @@ def minibatch_gradient(agent, args, coef, batch, mb_inds, buckets, autocast, sca
     loss_fn = getattr(agent, "compiled_loss", ppo_loss)  # --compile: speed_up compiled it
     for m in range(0, len(mb_inds), micro):
         i = mb_inds[m : m + micro]
-        mb = (b_actions[i], b_logprobs[i], mb_advantages[m : m + micro], b_returns[i], b_values[i])
+        mb = {k: gather_frames(v, i) if k == "obs" else v[i] for k, v in batch.items()}
+        mb["advantages"] = mb_advantages[m : m + micro]  # normalized over the global minibatch
         with autocast:
-            loss, stats = loss_fn(agent, args, coef, gather_frames(b_obs, i), *mb)
+            loss, stats = loss_fn(agent, args, coef, mb)
         buckets.stats.add_(stats * share / args.grad_accum)
         if m + micro == len(mb_inds):
             buckets.expect_final_grads()  # only the last backward launches all-reduces
@@ -825,7 +828,7 @@ class CrashReport:
         sys.__excepthook__(exc_type, exc, tb)
         first = (str(exc).strip().splitlines() or [exc_type.__name__])[0][:300]
         msg = oom_advice(exc, self.device) or f"{exc_type.__name__}: {first}"
-        peer_words = ("Timed out", "timed out", "closed by peer", "Connection reset", "NCCL")
+        peer_words = ("Timed out", "timed out", "closed by peer", "Connection reset", "remote")
         collective = isinstance(exc, RuntimeError) and any(k in first for k in peer_words)
         if collective and dist.is_initialized():
             who = "; ".join(self.board.silent_peers().values()) if self.board else ""
@@ -1298,7 +1301,7 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
     next_obs, _ = envs.reset(seed=env_seeds(args.seed + 10**6, 0, n_envs))  # unseen in training
     while min(len(g) for g in games) < quota:
         with torch.inference_mode():  # eager: --compile would compile this batch size
-            action = agent.get_action_and_value(torch.as_tensor(next_obs, device=device))[0]
+            action = agent.get_action_and_value(torch.as_tensor(next_obs, device=device))["action"]
         next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
         if "final_info" in infos and "episode" in infos["final_info"]:
             for i in np.flatnonzero(infos["final_info"]["_episode"]):
@@ -1458,8 +1461,8 @@ class RankEnvs:
         outs = []
         for env, g in zip(self.envs, self.groups):
             # copies: with --cuda-graphs the next group's replay overwrites the graph's outputs
-            out = [t.clone() for t in policy(obs[g.start : g.stop])]
-            env.step_async(out[0].cpu().numpy())
+            out = {k: t.clone() for k, t in policy(obs[g.start : g.stop]).items()}
+            env.step_async(out["action"].cpu().numpy())
             outs.append(out)
         t = time.perf_counter()
         results = [env.step_wait() for env in self.envs]
@@ -1467,7 +1470,7 @@ class RankEnvs:
         *arrays, infos = zip(*results)  # (obs, reward, terminated, truncated) per group, infos
         env_out = tuple(np.concatenate(x) for x in arrays)
         merged = merge_infos(infos, [len(g) for g in self.groups])
-        return tuple(torch.cat(x) for x in zip(*outs)), env_out + (merged,)
+        return {k: torch.cat([out[k] for out in outs]) for k in outs[0]}, env_out + (merged,)
 
     def close(self):
         for env in self.envs:
@@ -1487,15 +1490,17 @@ def keep_freed_memory():
 
 
 def network_roles(network):
-    """(the first nn.Flatten, the parameter-free layer just before it in its nn.Sequential or
-    None): where the convolutions end, found by role, not position; (None, None) if no Flatten."""
-    for parent in network.modules():
-        layers = list(parent) if isinstance(parent, nn.Sequential) else []
-        for i, layer in enumerate(layers):
-            if isinstance(layer, nn.Flatten):
-                free = i > 0 and next(layers[i - 1].parameters(), None) is None
-                return layer, layers[i - 1] if free else None
-    return None, None
+    """(the network's one nn.Flatten, the parameter-free layer used once just before it in its
+    nn.Sequential, or None): where the convolutions end, by role, not position. (None, None) if
+    it has no Flatten or several (a side branch's would be taken for the trunk's)."""
+    every = [m for _, m in network.named_modules(remove_duplicate=False)]  # shared ones repeat
+    flattens = [m for m in every if isinstance(m, nn.Flatten)]
+    for layers in (list(m) for m in every if isinstance(m, nn.Sequential) and len(flattens) == 1):
+        if flattens[0] in layers[1:]:
+            before = layers[layers.index(flattens[0]) - 1]
+            free = next(before.parameters(), None) is None and every.count(before) == 1
+            return flattens[0], before if free else None
+    return (flattens[0] if len(flattens) == 1 else None), None
 
 
 def speed_up(agent, args: Args, overlap=False, say=None):
@@ -1535,7 +1540,7 @@ def speed_up(agent, args: Args, overlap=False, say=None):
                 lambda *_: torch._dynamo.graph_break() if torch.is_grad_enabled() else None
             )
         elif overlap:
-            skipped.append("no nn.Flatten: under --compile the all-reduce waits for all backward")
+            skipped.append("not one nn.Flatten: under --compile the all-reduce waits for backward")
     if skipped and say:
         say(f"fast path: {'; '.join(skipped)}")
     return agent
@@ -1685,16 +1690,16 @@ class Progress:
         self.start = self.last = time.time()
         self.recent_returns, self.num_episodes = deque(maxlen=100), 0
         self.totals = {}  # rank -> summed seconds and peak memory, for the table at the end
-        self.iteration_seconds = []  # the slowest rank's first two iterations, for --compile
 
-    def log(self, writer, reports, iteration, global_step, sps, lr, stats):
+    def log(self, writer, reports, iteration, global_step, sps, charts, stats):
         """The per-iteration logging; `reports`: every rank's (MAIN gathers them)."""
         for step_at, ret, length in sorted(e for r in reports for e in r["episodes"]):
             writer.add_scalar("charts/episodic_return", ret, step_at)
             writer.add_scalar("charts/episodic_length", length, step_at)
             self.recent_returns.append(ret)
             self.num_episodes += 1
-        writer.add_scalar("charts/learning_rate", lr, global_step)
+        for name, value in charts.items():  # the learning rate and the loss coefficients
+            writer.add_scalar(f"charts/{name}", value, global_step)
         for name, value in stats.items():
             writer.add_scalar(f"losses/{name}", value, global_step)
         envs, evs = np.array([[r["envs"], r["explained_variance"]] for r in reports]).T
@@ -1715,16 +1720,6 @@ class Progress:
                 total[key] = max(total.get(key, 0.0), value)
         imbalance = load_imbalance([busy_seconds(rep["times"]) for rep in reports])
         writer.add_scalar("perf/imbalance", imbalance[0], global_step)
-        if self.args.compile and len(self.iteration_seconds) < 2:  # it compiles in iteration 1
-            seconds = max(r["times"]["rollout"] + r["times"]["update"] for r in reports)
-            self.iteration_seconds.append(seconds)
-            if len(self.iteration_seconds) == 2:
-                first, second = self.iteration_seconds
-                print(
-                    f"--compile: ~{first - second:.0f} s compiling, paid once (iteration 1 took "
-                    f"{first:.1f} s, iteration 2 {second:.1f} s)",
-                    flush=True,
-                )
         recent = self.recent_returns
         if line := self.line(iteration, global_step, sps, recent, self.num_episodes, imbalance):
             print(line, flush=True)
@@ -1836,18 +1831,13 @@ def gather_reports(report, world_size):
 def print_setup(args: Args, backend, device, torch_threads, env_threads, warnings_):
     """Rank 0's lines at start: the run, its layout and sizes, and any warnings."""
     native = f", {env_threads} per env group" if args.env_backend == "native" else ""
-    uneven = f"\n  rank_envs {args.rank_envs} (local sizes: rank 0's)" if args.rank_envs else ""
-    print(
-        f"run {args.run_name}: {args.world_size} rank(s), backend {backend}, device "
-        f"{device.type}, {torch_threads} thread(s) per rank{native}\n"
-        f"  local_num_envs {args.local_num_envs:>5} | num_envs {args.num_envs:>6} | "
-        f"num_steps {args.num_steps}\n"
-        f"  local_batch_size {args.local_batch_size:>3} | batch_size {args.batch_size:>4} | "
-        f"num_minibatches {args.num_minibatches}\n"
-        f"  local_minibatch_size {args.local_minibatch_size} | minibatch_size "
-        f"{args.minibatch_size} | grad_accum {args.grad_accum} | num_iterations "
-        f"{args.num_iterations}{uneven}"
-    )
+    layout = f"backend {backend}, device {device.type}, {torch_threads} thread(s) per rank{native}"
+    print(f"run {args.run_name}: {args.world_size} rank(s), {layout}")
+    sizes = "local_num_envs num_envs num_steps | local_batch_size batch_size num_minibatches | "
+    for row in (sizes + "local_minibatch_size minibatch_size grad_accum num_iterations").split("|"):
+        print("  " + " | ".join(f"{k} {getattr(args, k)}" for k in row.split()))
+    if args.rank_envs:
+        print(f"  rank_envs {args.rank_envs} (local sizes: rank 0's)")
     for warning in filter(None, warnings_):
         print(warning)
 
@@ -2066,7 +2056,7 @@ if __name__ == "__main__":
 
     # ALGO Logic: Storage setup; a resumed run gets fresh games, with seeds no earlier start used
     storage, next_obs, next_done = start_rollouts(envs, args, args.seed + global_step, rank, device)
-    obs, actions, logprobs, rewards, dones, values = storage
+    obs, actions, logprobs, rewards, dones, values, bootstraps = storage
     progress = Progress(args, global_step)
     step_upload = StepUpload(device)
 
@@ -2080,6 +2070,7 @@ if __name__ == "__main__":
         # ---- rollout ----
         WHERE.update(phase="rollout", iteration=iteration)
         t_rollout, envs.env_time, episodes = time.perf_counter(), 0.0, []
+        bootstraps.zero_()  # gamma * V(final obs) where a time limit cut a game
         # One no-grad/autocast region for the whole rollout: the weights do not change in it, so
         # under --amp their low-precision copies are cast once, not every step (autocast caches
         # no casts under inference_mode, hence no_grad).
@@ -2092,23 +2083,22 @@ if __name__ == "__main__":
                 dones[step] = next_done
                 # act on the stored copy: it is already in the weights' layout (no second reorder)
                 if args.async_envs:  # the policy acts for one env group while the other steps
-                    (action, logprob, _, value), env_out = envs.act_and_step(policy, obs[step])
+                    out, env_out = envs.act_and_step(policy, obs[step])
                 else:
-                    action, logprob, _, value = policy(obs[step])
-                    env_out = envs.step(action.cpu().numpy())
+                    out = policy(obs[step])
+                    env_out = envs.step(out["action"].cpu().numpy())
                 next_obs_np, reward, terminations, truncations, infos = env_out
-                values[step] = value.flatten()
-                actions[step] = action
-                logprobs[step] = logprob
+                values[step] = out["value"].flatten()
+                actions[step] = out["action"]
+                logprobs[step] = out["logprob"]
 
                 if "final_info" in infos:
                     # a time limit is not a real end: bootstrap from the final observation's value
                     cut = np.flatnonzero(truncations & ~terminations)
                     if len(cut):
                         final_obs = upload(np.stack(infos["final_obs"][cut]), device)
-                        reward[cut] += (
-                            args.gamma * agent.get_value(final_obs).flatten().cpu().numpy()
-                        )
+                        final_value = agent.get_value(final_obs).flatten()
+                        bootstraps[step, torch.as_tensor(cut)] = args.gamma * final_value
                     if "episode" in infos["final_info"]:
                         ep = infos["final_info"]["episode"]
                         for i in np.flatnonzero(infos["final_info"]["_episode"]):
@@ -2127,20 +2117,15 @@ if __name__ == "__main__":
         WHERE["phase"], t_update = "update", time.perf_counter()
         with torch.no_grad(), autocast:
             next_value = agent.get_value(next_obs).reshape(1, -1)
-            advantages, returns = compute_gae(
-                rewards, values, dones, next_value, next_done, args.gamma, args.gae_lambda
-            )
-        b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)
-        b_logprobs = logprobs.reshape(-1)
-        b_actions = actions.reshape(-1)
-        b_advantages = advantages.reshape(-1)
-        b_returns = returns.reshape(-1)
-        b_values = values.reshape(-1)
-
+            rollout = (rewards + bootstraps, values, dones, next_value, next_done)
+            advantages, returns = compute_gae(*rollout, args.gamma, args.gae_lambda)
         # ---- PPO update: the flat gradient buffer all-reduced per minibatch ----
-        batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
+        # the batch by name (steps x envs flattened): a new target is one more entry
+        batch = dict(obs=obs, actions=actions, logprobs=logprobs, values=values, rewards=rewards)
+        batch |= dict(advantages=advantages, returns=returns)
+        batch = {k: v.flatten(0, 1) for k, v in batch.items()}
         b_inds = np.arange(args.local_batch_size)
-        clipfrac_sum, num_updates = torch.zeros((), device=device), 0
+        stats_sum, num_updates = torch.zeros_like(buckets.stats), 0
         for epoch in range(args.update_epochs):
             np.random.shuffle(b_inds)
             epoch_inds = upload(b_inds, device)  # one copy per epoch, none per minibatch
@@ -2152,7 +2137,7 @@ if __name__ == "__main__":
                 nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 scaler.step(optimizer)  # fp16: skips a step with inf/NaN, alike on every rank
                 scaler.update()
-                clipfrac_sum += buckets.stats[LOSS_STATS.index("clipfrac")]
+                stats_sum += buckets.stats
                 num_updates += 1
             # every rank reads the same all-reduced KL, so every rank stops at the same step
             approx_kl = buckets.stats[LOSS_STATS.index("approx_kl")]
@@ -2166,7 +2151,7 @@ if __name__ == "__main__":
         check_iteration(params, buckets, scaler, iteration, global_step, rank, world_size)
 
         # ---- logging: every rank's episodes and timings, the losses averaged over ranks ----
-        y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+        y_pred, y_true = batch["values"].cpu().numpy(), batch["returns"].cpu().numpy()
         var_y = np.var(y_true)
         explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
         times = {"rollout": rollout_time, "env": envs.env_time, "update": update_time}
@@ -2180,11 +2165,11 @@ if __name__ == "__main__":
         WHERE["phase"] = "report"
         reports = gather_reports(report, world_size)
         if master_process:
-            stats = dict(zip(LOSS_STATS, buckets.stats.tolist()))
-            stats["clipfrac"] = clipfrac_sum.item() / num_updates  # mean over the iteration
+            stats = dict(zip(LOSS_STATS, (stats_sum / num_updates).tolist()))  # iteration means
             sps = int(global_step / checkpointer.elapsed())
-            lr = optimizer.param_groups[0]["lr"]
-            progress.log(writer, reports, iteration, global_step, sps, lr, stats)
+            charts = {name: c.item() for name, c in coef.items()}  # scheduled or not
+            charts["learning_rate"] = optimizer.param_groups[0]["lr"]
+            progress.log(writer, reports, iteration, global_step, sps, charts, stats)
 
         # ---- balance (--balance-envs): every rank decides alike from the gathered times ----
         if moved := balancer.decide(args.rank_envs, [busy_seconds(r["times"]) for r in reports]):
@@ -2198,7 +2183,7 @@ if __name__ == "__main__":
             if rebuilt:
                 seed = args.seed + global_step
                 storage, next_obs, next_done = start_rollouts(envs, args, seed, rank, device)
-                obs, actions, logprobs, rewards, dones, values = storage
+                obs, actions, logprobs, rewards, dones, values, bootstraps = storage
 
         # ---- checkpoint (a signal in this update stops the next rollout at once) ----
         WHERE["phase"] = "save"

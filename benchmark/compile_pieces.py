@@ -65,10 +65,11 @@ def pieces(mod, a, amp):
     obs = obs.contiguous(memory_format=torch.channels_last)
     actions = torch.randint(0, N_ACTIONS, (n,))
     with torch.no_grad(), autocast:
-        _, logprobs, _, values = agent.get_action_and_value(obs, actions)
-    values = values.flatten()
+        out = agent.get_action_and_value(obs, actions)
+    logprobs, values = out["logprob"], out["value"].flatten()
     adv = torch.randn(n)
-    batch = (obs, actions, logprobs, adv, values + adv, values)
+    batch = dict(obs=obs, actions=actions, logprobs=logprobs, advantages=adv)
+    batch |= dict(returns=values + adv, values=values)
 
     def heads(x):  # the policy step's network part; sampling then eager
         features = agent.features(x)
@@ -83,7 +84,9 @@ def pieces(mod, a, amp):
         logits, value = compiled_heads(x)
         probs = mod.Categorical(logits=logits, validate_args=False)
         action = probs.sample()
-        return action, probs.log_prob(action), probs.entropy(), value
+        return dict(
+            action=action, logprob=probs.log_prob(action), entropy=probs.entropy(), value=value
+        )
 
     def policy(fn):
         def run():
@@ -101,7 +104,7 @@ def pieces(mod, a, amp):
             if forward is not None:  # the loss eager around a compiled network + heads
                 agent.get_action_and_value = forward
             with autocast:
-                loss, _ = loss_fn(agent, args, coef, *batch)
+                loss, _ = loss_fn(agent, args, coef, batch)
             loss.backward()
             agent.__dict__.pop("get_action_and_value", None)
 

@@ -243,10 +243,11 @@ def update_rate(mod, device, n_actions, mbs, amp, seconds):
             agent.get_action_and_value(obs[i : i + mbs], actions[i : i + mbs])
             for i in range(0, n, mbs)
         ]
-    logprobs = torch.cat([o[1] for o in outs])
-    values = torch.cat([o[3].flatten() for o in outs])
+    logprobs = torch.cat([o["logprob"] for o in outs])
+    values = torch.cat([o["value"].flatten() for o in outs])
     advantages = torch.randn(n, device=device)
-    batch = (obs, actions, logprobs, advantages, values + advantages, values)
+    batch = dict(obs=obs, actions=actions, logprobs=logprobs, advantages=advantages)
+    batch |= dict(returns=values + advantages, values=values)
     autocast, scaler = mod.precision(targs, device)
     coef, rng = mod.loss_coefficients(targs, device), np.random.default_rng(0)
 

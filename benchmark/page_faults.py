@@ -33,7 +33,7 @@ def worker(mode):
     def faults():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(3):
-            agent.get_action_and_value(obs)[3].sum().backward()
+            agent.get_action_and_value(obs)["value"].sum().backward()
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     faults()  # warm-up: first-touch faults of weights, gradients and caches

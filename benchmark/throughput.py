@@ -149,10 +149,11 @@ def worker_update(mod, a, bf16):
     obs = torch.randint(0, 256, (n, *obs_shape), dtype=torch.uint8, device=device)
     actions = torch.randint(0, n_actions, (n,), device=device)
     with torch.inference_mode():  # log-probs and values of the same policy: ratios start near 1
-        _, logprobs, _, values = agent.get_action_and_value(obs, actions)
-    values = values.flatten().clone()
+        out = agent.get_action_and_value(obs, actions)
+    logprobs, values = out["logprob"].clone(), out["value"].flatten().clone()
     advantages = torch.randn(n, device=device)
-    batch = (obs, actions, logprobs.clone(), advantages, values + advantages, values)
+    batch = dict(obs=obs, actions=actions, logprobs=logprobs, advantages=advantages)
+    batch |= dict(returns=values + advantages, values=values)
     autocast, scaler = mod.precision(targs, device)  # as the trainer: bf16 autocast or none
     times = []
     for _ in range(1 + 3):  # one warm-up update, then three timed ones

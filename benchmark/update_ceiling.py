@@ -206,7 +206,9 @@ def parts(mod, dtype, minibatch, repeats):
     n = 4 * minibatch  # a rollout of 4 minibatches
     frames = mod.frame_buffer((n, 1, 4, 84, 84), args.channels_last, cpu).view(n, 4, 84, 84)
     frames.copy_(torch.randint(0, 256, frames.shape, dtype=torch.uint8))
-    batch = (frames, torch.randint(0, 4, (n,)), -torch.rand(n), *torch.randn(3, n))
+    advantages, returns, values = torch.randn(3, n)
+    batch = dict(obs=frames, actions=torch.randint(0, 4, (n,)), logprobs=-torch.rand(n))
+    batch |= dict(advantages=advantages, returns=returns, values=values)
     inds = torch.randperm(n)[:minibatch]
     first = agent.network[0].weight
 

@@ -126,17 +126,18 @@ def impala_copy(tmp_path_factory):
 
 def frames_and_batch(n, seed=0):
     """A rollout-like batch: uint8 frames stored as the trainer stores them (channels-last
-    storage of (n // 2 steps, 2 envs)), actions, old log-probs, advantages, returns, values."""
+    storage of (n // 2 steps, 2 envs)), actions, old log-probs, advantages, returns, values, by
+    name as MAIN's `batch`."""
     g = torch.Generator().manual_seed(seed)
     frames = ppo.frame_buffer((n // 2, 2, 4, 84, 84), True, CPU).reshape(-1, 4, 84, 84)
     frames.copy_(torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8))
-    return (
-        frames,
-        torch.randint(0, N_ACTIONS, (n,), generator=g),
-        -1.4 + 0.1 * torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
+    return dict(
+        obs=frames,
+        actions=torch.randint(0, N_ACTIONS, (n,), generator=g),
+        logprobs=-1.4 + 0.1 * torch.randn(n, generator=g),
+        advantages=torch.randn(n, generator=g),
+        returns=torch.randn(n, generator=g),
+        values=torch.randn(n, generator=g),
     )
 
 
@@ -149,10 +150,11 @@ def test_impala_encoder_edit_is_one_function_and_one_line(impala_copy):
     agent = module.Agent((4, 84, 84), N_ACTIONS)
     assert isinstance(agent.network[0], module.ConvSequence)
     assert agent.actor.in_features == agent.critic.in_features == 256  # sized from the data
-    frames = frames_and_batch(4)[0]
+    frames = frames_and_batch(4)["obs"]
     with torch.no_grad():
-        action, logprob, entropy, value = agent.get_action_and_value(frames)
-    assert action.shape == logprob.shape == entropy.shape == (4,) and value.shape == (4, 1)
+        out = agent.get_action_and_value(frames)
+    assert out["action"].shape == out["logprob"].shape == out["entropy"].shape == (4,)
+    assert out["value"].shape == (4, 1)
 
 
 def test_impala_trains_with_two_ranks_grad_accum_and_the_native_backend(run_trainer, impala_copy):
@@ -247,13 +249,13 @@ def flat_gradient(module, batch, world_size):
     torch.manual_seed(0)  # the same replica on every rank
     args = module.Args()
     agent = module.speed_up(module.Agent((4, 84, 84), N_ACTIONS), args, overlap=world_size > 1)
-    args.world_size, args.minibatch_size = world_size, len(batch[0]) * world_size
+    args.world_size, args.minibatch_size = world_size, len(batch["obs"]) * world_size
     params = list(agent.parameters())
     flat = module.flat_grad_buffer(params, len(module.LOSS_STATS))
     buckets = LaunchCount(params, flat, args.bucket_mb, world_size)
     autocast, scaler = module.precision(args, CPU)
     coef = module.loss_coefficients(args, CPU)
-    inds = torch.arange(len(batch[0]))
+    inds = torch.arange(len(batch["obs"]))
     module.minibatch_gradient(agent, args, coef, batch, inds, buckets, autocast, scaler)
     buckets.wait()
     n = flat.numel() - len(module.LOSS_STATS)
@@ -264,7 +266,7 @@ def two_rank_worker(rank, world_size, store, value_mean_copy, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     union = frames_and_batch(LOCAL * world_size, seed=123)
-    mine = tuple(x[rank * LOCAL : (rank + 1) * LOCAL] for x in union)
+    mine = {k: x[rank * LOCAL : (rank + 1) * LOCAL] for k, x in union.items()}
     out = {}
     ppo.nature_cnn = impala_cnn  # the encoder edit (this process only)
     out["impala"] = flat_gradient(ppo, mine, world_size)
@@ -463,9 +465,9 @@ def test_changing_a_coefficient_in_place_changes_the_eager_loss():
     coef = ppo.loss_coefficients(args, CPU)
     assert all(c.dim() == 0 for c in coef.values())
     batch = frames_and_batch(8)
-    loss0, stats = ppo.ppo_loss(agent, args, coef, *batch)
+    loss0, stats = ppo.ppo_loss(agent, args, coef, batch)
     coef["ent_coef"].fill_(0.5)
-    loss1, _ = ppo.ppo_loss(agent, args, coef, *batch)
+    loss1, _ = ppo.ppo_loss(agent, args, coef, batch)
     entropy = stats[ppo.LOSS_STATS.index("entropy")]
     torch.testing.assert_close(loss0 - loss1, (0.5 - args.ent_coef) * entropy)
 
@@ -477,16 +479,16 @@ def test_changing_a_coefficient_in_place_changes_the_compiled_loss_without_a_rec
     args = ppo.Args(compile=True)
     coef = ppo.loss_coefficients(args, CPU)
     batch = frames_and_batch(8)
-    loss0, stats = agent.compiled_loss(agent, args, coef, *batch)  # compiles
+    loss0, stats = agent.compiled_loss(agent, args, coef, batch)  # compiles
     entropy = stats[ppo.LOSS_STATS.index("entropy")]
     with torch.compiler.set_stance("fail_on_recompile"):  # raises if anything compiles again
         for value in (0.5, 0.0):
             coef["ent_coef"].fill_(value)
-            loss, _ = agent.compiled_loss(agent, args, coef, *batch)
+            loss, _ = agent.compiled_loss(agent, args, coef, batch)
             torch.testing.assert_close(loss0 - loss, (value - args.ent_coef) * entropy)
         args.clip_vloss = False  # the control: a change the graph does depend on is caught
         with pytest.raises(RuntimeError, match="Detected recompile"):
-            agent.compiled_loss(agent, args, coef, *batch)
+            agent.compiled_loss(agent, args, coef, batch)
 
 
 def test_the_schedule_line_in_main_runs_uncommented_and_reaches_0_in_the_last_iteration(
@@ -660,3 +662,37 @@ def test_adamw_with_a_new_flag_resumes_an_older_checkpoint_with_its_own_weight_d
     ckpt = torch.load(tmp_path / "runs/w/checkpoints/ckpt_000000000256.pt", weights_only=True)
     group = ckpt["optimizer"]["param_groups"][0]
     assert group["weight_decay"] == 0.01 and group["decoupled_weight_decay"]  # not the file's
+
+
+# An auxiliary head that predicts the reward: its output by name in Agent, its term and statistic
+# in ppo_loss (the target is the batch's `rewards`: the environment's own)
+AUX_HEAD_EDIT = [
+    (
+        "        self.critic = layer_init(nn.Linear(width, 1), std=1)",
+        "        self.critic = layer_init(nn.Linear(width, 1), std=1)\n"
+        "        self.aux = layer_init(nn.Linear(width, 1), std=1)",
+    ),
+    (
+        "            return out | dict(value=self.critic(features))  # by name: a new head, one "
+        "more entry",
+        "            return out | dict(value=self.critic(features), aux=self.aux(features)[:, 0])",
+    ),
+    (LOSS_STATS_LINE, LOSS_STATS_LINE[:-1] + ', "aux_loss")'),
+    (
+        '    loss = pg_loss - coef["ent_coef"] * entropy_loss + v_loss * coef["vf_coef"]',
+        '    aux_loss = ((new["aux"] - mb["rewards"]) ** 2).mean()\n'
+        '    loss = pg_loss - coef["ent_coef"] * entropy_loss + v_loss * coef["vf_coef"]\n'
+        "    loss = loss + aux_loss\n"
+        '    stats["aux_loss"] = aux_loss.detach()',
+    ),
+]
+
+
+def test_an_auxiliary_head_with_its_target_and_statistic_trains_on_two_ranks(run_trainer, tmp_path):
+    copy = edited_copy(tmp_path / "aux", AUX_HEAD_EDIT)
+    out = run_trainer(*tiny(ranks=2), "--run-name", "a", launcher=torchrun(2, script=copy))
+    finished(out, 2)
+    logged = scalar_tags(tmp_path / "runs/a")["losses/aux_loss"]
+    assert [step for step, _ in logged] == [128, 256] and all(v > 0 for _, v in logged)
+    model = torch.load(tmp_path / "runs/a/ppo_atari_multigpu.model", weights_only=True)
+    assert model["aux.weight"].shape == (1, 512)

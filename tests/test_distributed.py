@@ -15,14 +15,14 @@ N_ACTIONS, LOCAL = 4, 16  # samples per rank per minibatch
 
 def make_batch(seed, n):
     g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
-        torch.randint(0, N_ACTIONS, (n,), generator=g),
-        -1.4 + 0.1 * torch.randn(n, generator=g),  # old logprobs
-        torch.randn(n, generator=g),  # advantages
-        torch.randn(n, generator=g),  # returns
-        torch.randn(n, generator=g),
-    )  # old values
+    return dict(  # by name, as MAIN's `batch`
+        obs=torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+        actions=torch.randint(0, N_ACTIONS, (n,), generator=g),
+        logprobs=-1.4 + 0.1 * torch.randn(n, generator=g),
+        advantages=torch.randn(n, generator=g),
+        returns=torch.randn(n, generator=g),
+        values=torch.randn(n, generator=g),
+    )
 
 
 def minibatch_gradient(agent, args, buckets, batch, inds, world_size):
@@ -49,7 +49,7 @@ def gradient(agent, args, batch, world_size, host=None):
     n_params = sum(p.numel() for p in params)
     flat = ppo.flat_grad_buffer(params, len(ppo.LOSS_STATS))
     buckets = LaunchCount(params, flat, args.bucket_mb, world_size, args.allreduce_fp16, host)
-    inds = torch.arange(len(batch[0]))
+    inds = torch.arange(len(batch["obs"]))
     minibatch_gradient(agent, args, buckets, batch, inds, world_size)
     assert ppo.grads_in_buffer(params, flat)  # the backward passes wrote into the views
     return flat[:n_params].clone(), buckets.stats.clone(), buckets
@@ -79,11 +79,11 @@ def worker(rank, world_size, store, results):
     args = ppo.Args(grad_accum=1)
     args.minibatch_size = LOCAL * world_size  # as resolve_sizes sets it
     union = make_batch(123, LOCAL * world_size)
-    mine = tuple(x[rank * LOCAL : (rank + 1) * LOCAL] for x in union)
+    mine = {k: x[rank * LOCAL : (rank + 1) * LOCAL] for k, x in union.items()}
     out = {}
     # --rank-envs 3 1: rank 0 holds 3/4 of the same union, rank 1 the last quarter
     cut = [0, 3 * LOCAL // 2, 2 * LOCAL]
-    uneven = tuple(x[cut[rank] : cut[rank + 1]] for x in union)
+    uneven = {k: x[cut[rank] : cut[rank + 1]] for k, x in union.items()}
     out["uneven"], out["uneven_stats"], _ = gradient(agent, args, uneven, world_size)
     args.grad_accum = 4  # divides each rank's own minibatch
     out["uneven_accum"], _, _ = gradient(agent, args, uneven, world_size)

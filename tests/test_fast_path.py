@@ -2,7 +2,6 @@
 
 import copy
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,14 +17,15 @@ import ppo_atari_multigpu as ppo
 
 
 def data(n=64, seed=0):
+    """A minibatch by name, as MAIN's `batch`."""
     g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
-        torch.randint(0, 4, (n,), generator=g),
-        -1.4 + 0.1 * torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
-        torch.randn(n, generator=g),
+    return dict(
+        obs=torch.randint(0, 256, (n, 4, 84, 84), generator=g, dtype=torch.uint8),
+        actions=torch.randint(0, 4, (n,), generator=g),
+        logprobs=-1.4 + 0.1 * torch.randn(n, generator=g),
+        advantages=torch.randn(n, generator=g),
+        returns=torch.randn(n, generator=g),
+        values=torch.randn(n, generator=g),
     )
 
 
@@ -49,10 +49,11 @@ def straightforward(updates, args, grads=None):
     agent = new_agent()
     opt = torch.optim.Adam(agent.parameters(), lr=LR, eps=1e-5)
     for u in range(updates):
-        obs, act, logp, adv, ret, val = data(seed=u)
-        adv = ppo.normalize_advantages(adv, 1)
+        mb = data(seed=u)
+        mb["advantages"] = ppo.normalize_advantages(mb["advantages"], 1)
+        mb["obs"] = mb["obs"].float()
         coef = ppo.loss_coefficients(args, CPU)
-        loss, _ = ppo.ppo_loss(agent, args, coef, obs.float(), act, logp, adv, ret, val)
+        loss, _ = ppo.ppo_loss(agent, args, coef, mb)
         opt.zero_grad()
         loss.backward()
         if grads is not None:
@@ -75,7 +76,7 @@ def optimized(updates, args, grads=None, agent=None):
     coef = ppo.loss_coefficients(args, CPU)
     for u in range(updates):
         batch = data(seed=u)
-        inds = torch.arange(len(batch[0]))
+        inds = torch.arange(len(batch["obs"]))
         ppo.minibatch_gradient(agent, args, coef, batch, inds, buckets, autocast, scaler)
         buckets.wait()  # one rank: nothing to all-reduce
         if grads is not None:
@@ -170,9 +171,6 @@ def test_compiled_run_trains_and_saves_a_checkpoint_a_plain_agent_loads(run_trai
         "c",
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    # the compile time, reported once, after the second iteration (compiling is in the first)
-    report = r"^--compile: ~-?\d+ s compiling, paid once \(iteration 1 took [\d.]+ s, iteration 2 "
-    assert len(re.findall(report, out.stdout, re.M)) == 1, out.stdout
     state = torch.load(tmp_path / "runs/c/ppo_atari_multigpu.model")
     new_agent().load_state_dict(
         state
@@ -263,7 +261,7 @@ def test_minibatch_gathered_from_the_epochs_uploaded_indices_gives_the_numpy_ind
     # index_select: same samples, same gradient as CleanRL's b_obs[mb_inds] with numpy indices.
     batch = data(n=64)
     perm = np.random.default_rng(0).permutation(64)
-    picked = tuple(x[perm[16:48]] for x in batch)
+    picked = {k: x[perm[16:48]] for k, x in batch.items()}
     grads = [gradient(picked, torch.arange(32)), gradient(batch, upload(perm)[16:48])]
     assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
 
@@ -273,14 +271,14 @@ def test_frames_stored_in_the_weights_layout_give_the_same_gradient_without_a_re
     # already in the convolution's layout, and the gradient is that of plain NCHW frames.
     batch = data(n=64)
     stored = ppo.frame_buffer((16, 4, 4, 84, 84), True, torch.device("cpu"))
-    stored.copy_(batch[0].view(16, 4, 4, 84, 84))
+    stored.copy_(batch["obs"].view(16, 4, 4, 84, 84))
     frames = stored.reshape(-1, 4, 84, 84)
     assert frames.data_ptr() == stored.data_ptr()  # a view: the update reads the rollout's buffer
     inds = upload(np.random.default_rng(0).permutation(64))[:32]
     gathered = ppo.gather_frames(frames, inds)
     assert torch.equal(gathered, frames[inds])
     assert gathered.is_contiguous(memory_format=torch.channels_last)  # no reorder before conv1
-    grads = [gradient((obs,) + batch[1:], inds) for obs in (batch[0], frames)]
+    grads = [gradient(batch | dict(obs=obs), inds) for obs in (batch["obs"], frames)]
     assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
     plain = ppo.frame_buffer((16, 4, 4, 84, 84), False, torch.device("cpu"))
     assert plain.is_contiguous() and not plain.any()
@@ -318,7 +316,7 @@ def test_the_fast_path_finds_its_layers_by_role_and_says_once_what_a_network_lac
     ppo.speed_up(no_flatten, ppo.Args(compile=True), overlap=True, say=said.append)
     assert len(said) == 2 and all(line.startswith("fast path: ") for line in said)
     assert "no parameter-free layer just before nn.Flatten" in said[0]
-    assert "no parameter-free layer" in said[1] and "no nn.Flatten" in said[1]
+    assert "no parameter-free layer" in said[1] and "not one nn.Flatten" in said[1]
 
 
 def test_frames_are_scaled_to_exactly_cleanrls_float_division_for_every_byte_value():
@@ -388,15 +386,15 @@ def test_compiled_loss_and_policy_step_are_one_graph_each_equal_eager_and_never_
     with torch.compiler.set_stance("fail_on_recompile"):  # raises if anything compiles again
         actual = optimized(3, ppo.Args(compile=True), grads, agent=agent)
         with torch.no_grad():
-            action, logprob, _, value = agent.compiled_policy(frames)
+            out = agent.compiled_policy(frames)
     # fused kernels sum in another order: each gradient within 1e-4 of its largest entry
     for got, want in zip(grads, eager_grads):
         assert_equal_to_rounding(got, want, rel=1e-4)
     assert_equal_to_rounding(actual, expected, rel=1e-4)
     with torch.no_grad():
-        eager = ppo.Agent.get_action_and_value(agent, frames, action)
-    assert_equal_to_rounding(logprob, eager[1], rel=1e-4)
-    assert_equal_to_rounding(value, eager[3], rel=1e-4)
+        eager = ppo.Agent.get_action_and_value(agent, frames, out["action"])
+    assert_equal_to_rounding(out["logprob"], eager["logprob"], rel=1e-4)
+    assert_equal_to_rounding(out["value"], eager["value"], rel=1e-4)
 
 
 def test_compiled_loss_with_several_ranks_frees_fc_gradient_before_the_conv_backward():

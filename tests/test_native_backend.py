@@ -294,12 +294,13 @@ def test_native_rollout_stores_the_executed_action_and_its_log_prob(async_envs):
         for _ in range(600):
             sent.clear()
             if async_envs:  # as MAIN: the policy acts for one group while the other steps
-                (action, logprob, _, _), env_out = envs.act_and_step(policy, obs)
+                out, env_out = envs.act_and_step(policy, obs)
             else:
-                action, logprob, _, _ = policy(obs)
-                env_out = envs.step(action.cpu().numpy())
+                out = policy(obs)
+                env_out = envs.step(out["action"].cpu().numpy())
+            action, logprob = out["action"], out["logprob"]
             assert action.tolist() == np.concatenate(sent).tolist()  # stored = executed
-            _, expected, _, _ = agent.get_action_and_value(obs, action)
+            expected = agent.get_action_and_value(obs, action)["logprob"]
             # half batches (--async-envs) take other kernels: equal to rounding
             torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-5)
             next_obs, _, term, _, infos = env_out
