@@ -693,18 +693,16 @@ def check_launch(env):
     if "RANK" in env:
         return
     if int(env.get("WORLD_SIZE", 1)) > 1:
+        also = "or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for every process"
         raise ValueError(
-            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: launch with torchrun "
-            "(or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for every process)"
+            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: torchrun ({also})"
         )
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
         # srun's tasks have a SLURM_STEP_ID; a batch script's own python does not (it is one)
         if int(env.get(var, 1)) > 1 and (var != "SLURM_NTASKS" or "SLURM_STEP_ID" in env):
-            raise ValueError(
-                f"started by an MPI launcher ({var}={env[var]}) without torchrun's RANK: every "
-                "process would train alone. Launch with torchrun (one per node), e.g. under "
-                '`srun torchrun --nnodes=$SLURM_NNODES ...` (README "Launching")'
-            )
+            how = "torchrun (one per node), e.g. `srun torchrun --nnodes=$SLURM_NNODES ...`"
+            alone = "without torchrun's RANK: every process would train alone. Launch with"
+            raise ValueError(f"started by an MPI launcher ({var}={env[var]}) {alone} {how}")
 
 
 # ---- LAUNCH: device and backend, process group, the same flags on every rank -----------------
@@ -852,10 +850,8 @@ def oom_advice(exc, device):
     used = f"{host_rss_gb():.1f} GiB host RSS"
     if device is not None and device.type == "cuda":
         used += f", {torch.cuda.memory_reserved(device) / 2**30:.1f} GiB GPU reserved"
-    return (
-        f"out of memory ({type(exc).__name__}: {one_line(exc, 120)}; {used}): use less with "
-        "--grad-accum K (micro-batches), fewer --local-num-envs, or a shorter --num-steps"
-    )
+    less = "--grad-accum K (micro-batches), fewer --local-num-envs, or a shorter --num-steps"
+    return f"out of memory ({type(exc).__name__}: {one_line(exc, 120)}; {used}): use {less}"
 
 
 WHERE = {"phase": "setup", "iteration": 0}  # MAIN's stage: what the FailureBoard publishes
@@ -869,7 +865,9 @@ class FailureBoard:
     def __init__(self, store, rank, world_size, pg_timeout, orphaned):
         self.store, self.rank, self.world_size, self.orphaned = store, rank, world_size, orphaned
         self.stale_after, self.parent, self.seen = min(pg_timeout / 2, 60.0), os.getppid(), {}
-        self.me, self.beat, self.store_alive = [socket.gethostname(), os.getpid()], 0, True
+        # containers on one host (host network) share its name, not their pid namespaces
+        ns = os.readlink("/proc/self/ns/pid") if os.path.islink("/proc/self/ns/pid") else ""
+        self.me, self.beat, self.store_alive = [socket.gethostname(), os.getpid(), ns], 0, True
         threading.Thread(target=self.watch, daemon=True).start()
 
     def call(self, fn, *args):
@@ -890,12 +888,12 @@ class FailureBoard:
     def silent_peers(self):
         """{rank: line} for each peer that died without a word or stopped beating: where it was."""
         lines, now = {}, time.time()
-        for r, ((host, pid, phase, iteration, _), since) in sorted(self.seen.items()):
+        for r, ((host, pid, ns, phase, iteration, _), since) in sorted(self.seen.items()):
             if phase == "exit":  # it left on purpose (fail, or after a preemption's save)
                 continue
             who = f"rank {r} ({host}, pid {pid})"
             where = f"in the {phase} of iteration {iteration}" if iteration else f"in {phase}"
-            state = proc_state(pid) if host == self.me[0] else "?"  # "?": another node's
+            state = proc_state(pid) if [host, ns] == self.me[::2] else "?"  # "?": not ours
             if state in (None, "Z", "X"):
                 why = "killed by a signal? (on Linux the OOM killer is the usual cause: see dmesg)"
                 lines[r] = f"{who} died without a word {where}: {why}"
@@ -1038,10 +1036,8 @@ def load_checkpoint(path, agent):
         builds = {"GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE"}.intersection(ops)
         if "unsupported global" not in str(e).lower() and not builds:
             raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?)")
-        raise ValueError(
-            f"checkpoint {path} holds objects other than tensors: refused, nothing "
-            "from it was run (load only files you trust, by other means)"
-        )
+        trust = "nothing from it was run (load only files you trust, by other means)"
+        raise ValueError(f"checkpoint {path} holds objects other than tensors: refused, {trust}")
     except Exception as e:
         error = f"{type(e).__name__}: {one_line(e, 160)}"
         raise ValueError(f"checkpoint {path} is unreadable (truncated or corrupt?): {error}")
@@ -1054,9 +1050,8 @@ def load_checkpoint(path, agent):
     n, own_n = len(model["actor.weight"]), len(own["actor.weight"])
     if n != own_n:
         env_id = ckpt.get("args", {}).get("env_id", "unknown env")
-        raise ValueError(
-            f"checkpoint {path} was trained with {n} actions ({env_id}); this env has {own_n}"
-        )
+        trained = f"checkpoint {path} was trained with {n} actions ({env_id})"
+        raise ValueError(f"{trained}; this env has {own_n}")
     for k in sorted(own.keys() | model.keys()):
         if k not in own or model.get(k) is None or model[k].shape != own[k].shape:
             saw = tuple(model[k].shape) if k in model else "missing"
@@ -1068,11 +1063,8 @@ def load_checkpoint(path, agent):
 def resume_problem(ckpt, path, args: Args):
     """Why this checkpoint cannot continue this run (None if it can)."""
     if "optimizer" not in ckpt:
-        return (
-            f"{path} holds only model weights (no optimizer state or step count), so a run "
-            "cannot continue from it: resume from runs/<run>/checkpoints/ckpt_*.pt, or play "
-            "it with --eval-checkpoint"
-        )
+        play = "resume from runs/<run>/checkpoints/ckpt_*.pt, or play it with --eval-checkpoint"
+        return f"{path} holds only model weights (no optimizer state or step count): {play}"
     saved, now = ckpt.get("args", {}), identity(args)  # a field it lacks: Checkpointer.resume
     changed = [f"{flag(k)} {saved[k]} -> {v}" for k, v in now.items() if saved.get(k, v) != v]
     if changed:
@@ -1439,10 +1431,8 @@ class RankEnvs:
         self.single_action_space = self.envs[0].single_action_space
         if space.dtype != np.uint8 or len(space.shape) != 3 or space.shape[0] != stack:
             self.close()
-            raise ValueError(
-                f"the rollout storage holds uint8 frames, channels first ({stack}, H, W): "
-                f"{env_id} gives {space.dtype} {space.shape}"
-            )
+            storage = f"the rollout storage holds uint8 frames, channels first ({stack}, H, W)"
+            raise ValueError(f"{storage}: {env_id} gives {space.dtype} {space.shape}")
         self.env_time = 0.0
 
     def reset(self, seeds):

@@ -592,7 +592,7 @@ def test_thread_counts_on_cuda_leave_torch_one_thread_and_give_the_emulators_the
     assert counts(CPU, ranks=2, local_num_envs=64, async_envs=True) == (8, 8)
 
 
-# ---- 7. issue 43: a frozen encoder, BatchNorm, AdamW with a new flag ---------------------------
+# ---- 7. issue 43: a frozen encoder, BatchNorm, an auxiliary head, AdamW with a new flag -------
 FREEZE_EDIT = [
     (
         "        self.network = nature_cnn(obs_shape)",
@@ -603,10 +603,35 @@ FIRST_CONV = "        layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)),"
 BATCH_NORM_EDIT = [(FIRST_CONV, FIRST_CONV + "\n        nn.BatchNorm2d(32),")]
 
 
-def test_a_frozen_encoder_with_batch_norm_trains_on_two_ranks_with_equal_buffers(
+# An auxiliary head that predicts the reward: its output by name in Agent, its term and statistic
+# in ppo_loss (the target is the batch's `rewards`: the environment's own)
+AUX_HEAD_EDIT = [
+    (
+        "        self.critic = layer_init(nn.Linear(width, 1), std=1)",
+        "        self.critic = layer_init(nn.Linear(width, 1), std=1)\n"
+        "        self.aux = layer_init(nn.Linear(width, 1), std=1)",
+    ),
+    (
+        "            return out | dict(value=self.critic(features))  # by name: a new head, one "
+        "more entry",
+        "            return out | dict(value=self.critic(features), aux=self.aux(features)[:, 0])",
+    ),
+    (LOSS_STATS_LINE, LOSS_STATS_LINE[:-1] + ', "aux_loss")'),
+    (
+        '    loss = pg_loss - coef["ent_coef"] * entropy_loss + v_loss * coef["vf_coef"]',
+        '    aux_loss = ((new["aux"] - mb["rewards"]) ** 2).mean()\n'
+        '    loss = pg_loss - coef["ent_coef"] * entropy_loss + v_loss * coef["vf_coef"]\n'
+        "    loss = loss + aux_loss\n"
+        '    stats["aux_loss"] = aux_loss.detach()',
+    ),
+]
+
+
+def test_a_frozen_encoder_batch_norm_and_an_auxiliary_head_train_on_two_ranks(
     run_trainer, tmp_path
 ):
-    copy = edited_copy(tmp_path / "frozen-bn", FREEZE_EDIT + BATCH_NORM_EDIT)
+    # three edits in one copy (one run): each its own local change, each checked below
+    copy = edited_copy(tmp_path / "frozen-bn", FREEZE_EDIT + BATCH_NORM_EDIT + AUX_HEAD_EDIT)
     flags = [*tiny(ranks=2), "--grad-accum", "2", "--run-name", "f", "--save-interval", "1"]
     out = run_trainer(*flags, launcher=torchrun(2, script=copy), timeout=300)
     # every rank's weights AND buffers equal rank 0's: the running statistics are broadcast
@@ -619,6 +644,8 @@ def test_a_frozen_encoder_with_batch_norm_trains_on_two_ranks_with_equal_buffers
         frozen = k.startswith("network.") and "running_" not in k and "num_batches" not in k
         assert torch.equal(v, final[k]) == frozen, k  # the heads trained, the encoder did not
     assert final["network.1.num_batches_tracked"] > 0  # the BatchNorm ran in training mode
+    logged = scalar_tags(tmp_path / "runs/f")["losses/aux_loss"]  # the head's statistic
+    assert [step for step, _ in logged] == [128, 256] and all(v > 0 for _, v in logged)
 
 
 def test_sizes_are_probed_in_eval_mode_without_touching_a_batch_norms_statistics(monkeypatch):
@@ -664,35 +691,46 @@ def test_adamw_with_a_new_flag_resumes_an_older_checkpoint_with_its_own_weight_d
     assert group["weight_decay"] == 0.01 and group["decoupled_weight_decay"]  # not the file's
 
 
-# An auxiliary head that predicts the reward: its output by name in Agent, its term and statistic
-# in ppo_loss (the target is the batch's `rewards`: the environment's own)
-AUX_HEAD_EDIT = [
+# ---- 8. issue 43: what the logged statistics and the rewards buffer hold -----------------------
+# The trainer under a wrapper that registers Breakout cut after 400 frames (~100 steps: time
+# limits come often) and counts the time-limit cuts; the copy prints each minibatch's approx_kl
+# and asserts that the batch's rewards are the env's own (clipped: -1, 0 or 1).
+SHORT_GAMES = """import atexit, runpy, sys
+import gymnasium as gym, ale_py, numpy as np
+gym.register_envs(ale_py)
+kwargs = {**gym.spec("BreakoutNoFrameskip-v4").kwargs, "max_num_frames_per_episode": 400}
+gym.register("BreakoutCutNoFrameskip-v4", entry_point="ale_py.env:AtariEnv", kwargs=kwargs)
+step, cuts = gym.vector.SyncVectorEnv.step, []
+def counted(self, actions):
+    out = step(self, actions)
+    cuts.append(int((out[3] & ~out[2]).sum()))
+    return out
+gym.vector.SyncVectorEnv.step = counted
+atexit.register(lambda: print("time-limit cuts:", sum(cuts)))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+EACH_MINIBATCH_EDIT = [
     (
-        "        self.critic = layer_init(nn.Linear(width, 1), std=1)",
-        "        self.critic = layer_init(nn.Linear(width, 1), std=1)\n"
-        "        self.aux = layer_init(nn.Linear(width, 1), std=1)",
-    ),
-    (
-        "            return out | dict(value=self.critic(features))  # by name: a new head, one "
-        "more entry",
-        "            return out | dict(value=self.critic(features), aux=self.aux(features)[:, 0])",
-    ),
-    (LOSS_STATS_LINE, LOSS_STATS_LINE[:-1] + ', "aux_loss")'),
-    (
-        '    loss = pg_loss - coef["ent_coef"] * entropy_loss + v_loss * coef["vf_coef"]',
-        '    aux_loss = ((new["aux"] - mb["rewards"]) ** 2).mean()\n'
-        '    loss = pg_loss - coef["ent_coef"] * entropy_loss + v_loss * coef["vf_coef"]\n'
-        "    loss = loss + aux_loss\n"
-        '    stats["aux_loss"] = aux_loss.detach()',
-    ),
+        STATS_LINE,
+        STATS_LINE + '\n    print("minibatch approx_kl", stats["approx_kl"].item(), flush=True)\n'
+        '    assert set(mb["rewards"].tolist()) <= {-1.0, 0.0, 1.0}, mb["rewards"]',
+    )
 ]
 
 
-def test_an_auxiliary_head_with_its_target_and_statistic_trains_on_two_ranks(run_trainer, tmp_path):
-    copy = edited_copy(tmp_path / "aux", AUX_HEAD_EDIT)
-    out = run_trainer(*tiny(ranks=2), "--run-name", "a", launcher=torchrun(2, script=copy))
-    finished(out, 2)
-    logged = scalar_tags(tmp_path / "runs/a")["losses/aux_loss"]
-    assert [step for step, _ in logged] == [128, 256] and all(v > 0 for _, v in logged)
-    model = torch.load(tmp_path / "runs/a/ppo_atari_multigpu.model", weights_only=True)
-    assert model["aux.weight"].shape == (1, 512)
+def test_logged_losses_are_iteration_means_and_rewards_stay_the_envs_at_time_limits(
+    run_trainer, tmp_path
+):
+    copy = edited_copy(tmp_path / "each-minibatch", EACH_MINIBATCH_EDIT)
+    (tmp_path / "short.py").write_text(SHORT_GAMES)
+    flags = [*tiny(num_steps=128), "--update-epochs", "2", "--env-id", "BreakoutCutNoFrameskip-v4"]
+    out = run_trainer(*flags, "--run-name", "m", launcher=[sys.executable, "short.py", str(copy)])
+    finished(out, 1)  # no assertion failed: the time-limit bootstraps are not in the rewards
+    assert int(out.stdout.split("time-limit cuts: ")[1].split()[0]) >= 2  # each env's first cut
+    printed = [float(x.split()[-1]) for x in out.stdout.splitlines() if x.startswith("minibatch ")]
+    assert len(printed) == 2 * 2 * 2  # iterations x epochs x minibatches
+    logged = [v for _, v in scalar_tags(tmp_path / "runs/m")["losses/approx_kl"]]
+    for i, value in enumerate(logged):  # each iteration's mean, not its last minibatch's value
+        assert value == pytest.approx(np.mean(printed[4 * i : 4 * i + 4]), rel=1e-5)
+    assert len(set(printed[:4])) > 1  # (the mean differs from the last value)

@@ -319,6 +319,21 @@ def test_the_fast_path_finds_its_layers_by_role_and_says_once_what_a_network_lac
     assert "no parameter-free layer" in said[1] and "not one nn.Flatten" in said[1]
 
 
+def test_the_flatten_is_taken_only_where_it_is_the_one_and_its_feeding_layer_is_used_once():
+    # issue 43: a side branch's Flatten or a shared ReLU got the hooks (the first in modules())
+    relu = nn.ReLU()
+    shared = nn.Sequential(nn.Conv2d(4, 8, 8, stride=4), relu, nn.Conv2d(8, 8, 3), relu)
+    shared.append(nn.Flatten())
+    assert ppo.network_roles(shared) == (shared[4], None)
+    side = nn.Sequential(nn.Sequential(nn.Conv2d(4, 8, 8), nn.ReLU(), nn.Flatten()), nn.Flatten())
+    assert ppo.network_roles(side) == (None, None)  # two: which one ends the convolutions?
+    said = []
+    agent = new_agent()
+    agent.network = side
+    ppo.speed_up(agent, ppo.Args(compile=True), overlap=True, say=said.append)
+    assert len(said) == 1 and "not one nn.Flatten" in said[0]
+
+
 def test_frames_are_scaled_to_exactly_cleanrls_float_division_for_every_byte_value():
     frames = torch.arange(256, dtype=torch.uint8).repeat(4 * 84 * 84 // 256 + 1)
     frames = frames[: 4 * 84 * 84].view(1, 4, 84, 84).repeat(2, 1, 1, 1)

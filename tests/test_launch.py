@@ -1,14 +1,19 @@
 """Launch checks: device and backend choice (a pure function of flags and launch layout), the
 launch environment, run-time sizes that are not flags, and flag minimums."""
 
+import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from conftest import SCRIPT
 
 import ppo_atari_multigpu as ppo
+
+HOST = socket.gethostname()
 
 
 def choose(num_gpus, world_size=1, local_world_size=1, rank=0, local_rank=None, **flags):
@@ -180,3 +185,32 @@ def test_compile_without_a_compiler_and_cuda_graphs_without_a_gpu_are_refused(mo
     monkeypatch.delenv("CXX")
     with pytest.raises(ValueError, match="--cuda-graphs replays the compiled step on a GPU"):
         ppo.check_args(ppo.Args(compile=True, cuda_graphs=True, cuda=False), 1)
+
+
+@pytest.mark.parametrize(
+    "message, blamed",
+    [
+        ("NCCL error in: ProcessGroupNCCL.cpp:1, invalid usage (run with NCCL_DEBUG=WARN)", False),
+        ("CUDA error: an illegal memory access was encountered (NCCL watchdog)", False),
+        ("NCCL error: remote process exited or there was a network error", True),
+        ("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:41", True),
+    ],
+)
+def test_only_a_peers_own_words_blame_a_peer(message, blamed, monkeypatch, capsys):
+    # issue 41: any RuntimeError that mentioned NCCL was reported as a peer's failure
+    monkeypatch.setattr(ppo.dist, "is_initialized", lambda: True)
+    ppo.CrashReport(0, 600.0)(RuntimeError, RuntimeError(message), None)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error [rank 0]: RuntimeError: ")
+    assert ("a collective failed: a peer rank died or stopped responding" in line) == blamed
+
+
+def test_a_peer_in_another_pid_namespace_on_this_host_is_never_judged_by_its_pid():
+    # issue 41: containers that share a host name (host network) were judged by a pid that means
+    # nothing in this namespace: a live peer was "dead". A pid above Linux's limit exists nowhere.
+    board = ppo.FailureBoard.__new__(ppo.FailureBoard)  # its state only, no watcher thread
+    board.me, board.store_alive, board.stale_after = [HOST, os.getpid(), "pid:[1]"], True, 60.0
+    board.seen = {1: ([HOST, 2**22 + 1, "pid:[2]", "rollout", 3, 7], time.time())}
+    assert board.silent_peers() == {}
+    board.seen[1][0][2] = "pid:[1]"  # the same namespace: that pid is gone
+    assert "rank 1" in board.silent_peers()[1] and "died without a word" in board.silent_peers()[1]

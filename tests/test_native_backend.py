@@ -310,3 +310,18 @@ def test_native_rollout_stores_the_executed_action_and_its_log_prob(async_envs):
                 break
     envs.close()
     assert lives_lost >= 4  # random play in Breakout loses lives: the case was exercised
+
+
+@pytest.mark.parametrize("env_id", ["PongNoFrameskip-v4", "BreakoutNoFrameskip-v4", "ALE/Pong-v5"])
+def test_both_backends_cut_a_game_at_the_same_frame(env_id, monkeypatch):
+    # issue 43 said gymnasium allows 400,000 frames where the native backend cuts at 108,000: with
+    # the pinned ale-py both read the env spec's cap (108,000), and gymnasium adds no TimeLimit
+    env = gym.make(env_id)
+    assert env.spec.max_episode_steps is None
+    gymnasium_cap = env.unwrapped.ale.getInt("max_num_frames_per_episode")
+    env.close()
+    seen = {}
+    monkeypatch.setattr(ppo, "AtariVectorEnv", lambda game, n, **kw: seen.update(kw) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        NativeVectorEnv(env_id, 1, 1, 4)
+    assert seen["max_num_frames_per_episode"] == gymnasium_cap == 108000
