@@ -1266,8 +1266,7 @@ class Preemption:
         if distributed:
             dist.barrier()  # a rank that left early would make torchrun stop rank 0's save
         if code == PREEMPTED and (marker := os.environ.get("PPO_PREEMPTED_MARKER")):
-            with contextlib.suppress(OSError), open(marker, "w") as f:  # the launcher requeues
-                f.write(f"{', '.join(stopped)}\n")
+            open(marker, "w").write(f"{', '.join(stopped)}\n")  # the launcher requeues on it
         leave(code, distributed)
 
 
@@ -1395,7 +1394,7 @@ def merge_infos(parts, sizes):
 def env_worker(*args):
     """gymnasium's env subprocess in its own session: signals are the trainer's (PREEMPTION)."""
     os.setsid()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # SLURM signals every process of a job step
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SLURM's go to a whole step; MAIN kills us
         signal.signal(sig, signal.SIG_IGN)
     with contextlib.suppress(BrokenPipeError):  # the trainer left without closing its envs
         gym.vector.async_vector_env._async_worker(*args)
@@ -2005,6 +2004,7 @@ if __name__ == "__main__":
         envs = RankEnvs(args, run_name, video, env_threads)
     except ValueError as e:
         fail(e, rank, world_size)
+    atexit.register(lambda: [p.kill() for e in envs.envs for p in getattr(e, "processes", [])])
 
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n).to(device)
     if distributed:  # every replica starts from rank 0's weights

@@ -16,7 +16,10 @@ from test_run_edges import SIGTERM_IN_THE_LAST_ITERATION
 
 import ppo_atari_multigpu as ppo
 
+# --async-envs: env workers that ignore TERM must not hold up the trainer's exit (an error's or a
+# preemption's), which multiprocessing would make wait for them
 FLAGS = [*TINY, "--total-timesteps", "128", "--eval-episodes", "0", "--resume", "auto"]
+FLAGS += ["--async-envs"]
 
 
 def run(cwd, *flags, wrapper=None, **env_vars):
@@ -24,7 +27,7 @@ def run(cwd, *flags, wrapper=None, **env_vars):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PYTHONUNBUFFERED="1", SLURM_JOB_ID="77", **env_vars)
     cmd = [sys.executable, *([str(wrapper)] if wrapper else []), str(SCRIPT), *flags]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 def hold_lock(cwd, line):
