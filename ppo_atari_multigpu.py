@@ -1101,16 +1101,22 @@ class Checkpointer:
         """Rank 0 locks runs/<run_name>/lock (released when its process ends, however) and so
         checks that the run directory can be written; the verdict stops every rank."""
         error, lock = None, f"runs/{self.run_name}/lock"
+        job, restart = os.environ.get("SLURM_JOB_ID"), int(os.environ.get("SLURM_RESTART_COUNT", 0))
+        me = f"host {socket.gethostname()}, pid {os.getpid()}"  # requeued: the lock of a dead node?
+        me += f", slurm job {job} restart {restart}" if job else ""
         if self.rank == 0:
             try:
                 os.makedirs(self.dir, exist_ok=True)
                 self.lock = open(lock, "a+")  # a+: the holder's line stays until we hold the lock
                 fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 self.lock.truncate(0)
-                print(f"host {socket.gethostname()}, pid {os.getpid()}", file=self.lock, flush=True)
+                print(me, file=self.lock, flush=True)
             except BlockingIOError:  # another process holds it
                 holder = open(lock).read().strip() or "another process"
-                error = f"run {self.run_name} is already running ({holder} holds {lock})"
+                if any(holder.endswith(f", slurm job {job} restart {r}") for r in range(restart)):
+                    warn(f"{lock} is held by an earlier start of this job ({holder}): going on")
+                else:
+                    error = f"run {self.run_name} is already running ({holder} holds {lock})"
             except OSError as e:
                 error = f"cannot write the run directory runs/{self.run_name}: {one_line(e, 160)}"
                 if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # e.g. NFS, no lockd
@@ -1148,12 +1154,13 @@ class Checkpointer:
                     print(f"warning: skipped {error}", flush=True)
             if auto and error:  # every file was tried
                 tried = ", ".join(os.path.basename(f) for f in reversed(files))
-                error = (
-                    f"no checkpoint in {self.dir} loads (tried {tried}); nothing was overwritten: "
-                    "move them away, or use another --run-name, to start over"
-                )
+                error = f"no checkpoint in {self.dir} loads (tried {tried}); nothing was "
+                error += "overwritten: move them away, or use another --run-name, to start over"
+            if auto and not files and os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+                error = f"SLURM requeued this job; no rank finds a checkpoint in {self.dir} (on "
+                error += "a node-local disk?): run in a shared directory, or give --resume PATH"
             if auto and not files and look_around:  # a requeue at another world size?
-                error = run_at_other_world_size(self.args, self.run_name)
+                error = run_at_other_world_size(self.args, self.run_name) or error
         found = (ckpt, error, path, socket.gethostname())
         ckpt, error, path, host = broadcast_object(found, self.world_size > 1, src=holder)
         if error is not None:
@@ -1277,6 +1284,8 @@ class Preemption:
         WHERE["phase"] = "exit"
         if distributed:
             dist.barrier()  # a rank that left early would make torchrun stop rank 0's save
+        if code == PREEMPTED and (marker := os.environ.get("PPO_PREEMPTED_MARKER")):
+            open(marker, "w").write(f"{', '.join(stopped)}\n")  # the launcher requeues on it
         leave(code, distributed)
 
 
@@ -1404,6 +1413,8 @@ def merge_infos(parts, sizes):
 def env_worker(*args):
     """gymnasium's env subprocess in its own session: signals are the trainer's (PREEMPTION)."""
     os.setsid()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SLURM's go to a whole step; MAIN kills us
+        signal.signal(sig, signal.SIG_IGN)
     with contextlib.suppress(BrokenPipeError):  # the trainer left without closing its envs
         gym.vector.async_vector_env._async_worker(*args)
 
@@ -2003,6 +2014,7 @@ if __name__ == "__main__":
         envs = RankEnvs(args, run_name, video, env_threads)
     except ValueError as e:
         fail(e, rank, world_size)
+    atexit.register(lambda: [p.kill() for e in envs.envs for p in getattr(e, "processes", [])])
 
     agent = Agent(envs.single_observation_space.shape, envs.single_action_space.n).to(device)
     batch_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in agent.modules())

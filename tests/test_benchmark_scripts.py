@@ -45,85 +45,153 @@ def test_slurm_script_builds_one_torchrun_per_node_with_c10d_and_resume_auto(tmp
         timeout=30,
     )
     assert out.returncode == 0, out.stderr
+    # the port follows the job id (20000 + 77); torchrun waits 100 s of the 120 s warning window
     assert (
         out.stdout.split()
         == (
             "srun --kill-on-bad-exit=0 torchrun --nnodes=4 --nproc_per_node=8 --rdzv-id=77 "
-            "--rdzv-backend=c10d --rdzv-endpoint=n01:29400 --max-restarts=3 ppo_atari_multigpu.py "
-            "--resume auto --num-envs 64"
+            "--rdzv-backend=c10d --rdzv-endpoint=n01:20077 --max-restarts=3 --shutdown-timeout=100 "
+            "ppo_atari_multigpu.py --resume auto --num-envs 64"
         ).split()
     )
 
 
-def test_slurm_script_passes_the_warning_signal_on_and_requeues(tmp_path):
-    # stand-ins for srun (a trainer that exits PREEMPTED on TERM) and scontrol (records its args)
+# Stand-ins for SLURM's tools, as they behave on a real cluster (benchmark/slurm_check.sh proves
+# the real ones): srun starts the step (after STEP_DELAY s) and answers a TERM of its own by
+# killing it; the step is the trainer under torchrun: on TERM it writes the marker the script
+# gave it and exits 1, as a signalled torchrun does; squeue lists the step once it runs; scancel
+# signals the step's processes; scontrol looks up the head node (after a file `go` appears, with
+# HOLD_LOOKUP) and records a requeue. Everything they see goes to slurm.log, in order.
+FAKE_SLURM = {
+    "srun": """env > srun.env
+trap 'echo srun-got-term >> slurm.log; kill -KILL $step; exit 143' TERM
+touch srun-invoked
+sleep "${STEP_DELAY:-0}"
+step &
+step=$!
+echo $step > step.pid
+wait $step
+code=$?
+while kill -0 $step 2>/dev/null; do wait $step; code=$?; done
+exit $code
+""",
+    "step": """on_term() {
+  echo step-got-term >> slurm.log
+  echo saved > "$PPO_PREEMPTED_MARKER"
+  exit 1
+}
+trap on_term TERM
+echo step-started >> slurm.log
+if [ -n "${STEP_FAILS:-}" ]; then exit 1; fi
+while true; do sleep 0.1; done
+""",
+    "squeue": """echo 77.batch
+if [ -s step.pid ]; then echo 77.0; fi
+""",
+    "scancel": """echo scancel "$@" >> slurm.log
+if [ -s step.pid ]; then kill -TERM "$(cat step.pid)"; fi
+""",
+    "scontrol": """if [ "$1" = show ]; then
+  touch looking-up
+  if [ -n "${HOLD_LOOKUP:-}" ]; then
+    for _ in $(seq 200); do [ -e go ] && break; sleep 0.1; done
+  fi
+  echo n01
+else
+  echo scontrol "$@" >> slurm.log
+fi
+""",
+}
+
+
+def start_slurm_script(tmp_path, **env_vars):
+    """benchmark/slurm.sbatch as job 77 (cpus-per-task 6) among the stand-ins, in tmp_path."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text(
-        "#!/bin/bash\ntrap 'echo got-term >> trainer.log; exit 75' TERM\n"
-        "echo started >> trainer.log\nwhile true; do sleep 0.1; done\n"
-    )
-    (bin_dir / "scontrol").write_text('#!/bin/bash\necho "$@" >> scontrol.log\n')
-    for tool in ("srun", "scontrol"):
+    for tool, body in FAKE_SLURM.items():
+        (bin_dir / tool).write_text("#!/bin/bash\n" + body)
         (bin_dir / tool).chmod(0o755)
-    env = dict(
-        os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", HEAD_NODE="n01", SLURM_JOB_ID="77"
-    )
-    proc = subprocess.Popen(
-        ["bash", str(ROOT / "benchmark/slurm.sbatch")],
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_", "PPO_"))}
+    env.pop("HEAD_NODE", None)
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77")
+    env.update(SLURM_CPUS_PER_TASK="6", **env_vars)
+    return subprocess.Popen(
+        ["bash", str(ROOT / "benchmark/slurm.sbatch"), "--num-envs", "8"],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def wait_for(path, what):
     deadline = time.time() + 20
-    while not (tmp_path / "trainer.log").exists():
-        assert time.time() < deadline, "the launch command never started"
-        time.sleep(0.1)
+    while not path.exists():
+        assert time.time() < deadline, what
+        time.sleep(0.05)
+
+
+def slurm_log(tmp_path):
+    return (tmp_path / "slurm.log").read_text().splitlines()
+
+
+def test_slurm_script_passes_the_warning_to_the_step_not_srun_and_requeues_on_the_marker(
+    tmp_path,
+):
+    # the warning comes as srun starts, before its step exists: it must reach the step all the same
+    proc = start_slurm_script(tmp_path, STEP_DELAY="1")
+    wait_for(tmp_path / "srun-invoked", "srun never started")
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=30)
     assert proc.returncode == 75, stdout
-    assert (tmp_path / "trainer.log").read_text().split() == ["started", "got-term"]
-    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77"]
+    assert slurm_log(tmp_path) == [
+        "step-started",
+        "scancel --signal=TERM 77",
+        "step-got-term",
+        "scontrol requeue 77",
+    ]  # srun never got a TERM: it would have killed the step
+    assert "the trainer saved and stopped on a signal (exit 1): requeueing job 77" in stdout
+    assert not (tmp_path / "slurm-77.preempted").exists()  # read and removed
 
 
-def test_slurm_script_requeues_on_a_warning_signal_that_comes_before_srun_starts(tmp_path):
-    # TERM while the script still looks up the head node (scontrol, here held until the test
-    # lets it go): the signal must not be lost (nor kill the script) before srun runs
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(
-        "#!/bin/bash\ntrap 'exit 75' TERM\necho started >> trainer.log\n"
-        "while true; do sleep 0.1; done\n"
-    )
-    (bin_dir / "scontrol").write_text(
-        '#!/bin/bash\nif [ "$1" = show ]; then\n  touch looking-up\n'
-        "  for _ in $(seq 200); do [ -e go ] && break; sleep 0.1; done\n  echo n01\n"
-        'else\n  echo "$@" >> scontrol.log\nfi\n'
-    )
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "HEAD_NODE"}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77")
-    proc = subprocess.Popen(
-        ["bash", str(ROOT / "benchmark/slurm.sbatch")],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 20
-    while not (tmp_path / "looking-up").exists():
-        assert time.time() < deadline, "the script never looked up the head node"
-        time.sleep(0.1)
+def test_slurm_script_requeues_a_preempted_step_it_was_not_signalled_for_and_gives_srun_its_cpus(
+    tmp_path,
+):
+    # preemption: SLURM signals the job's steps, never this script; only the marker tells it
+    proc = start_slurm_script(tmp_path)
+    wait_for(tmp_path / "step.pid", "the step never started")
+    os.kill(int((tmp_path / "step.pid").read_text()), signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 75, stdout
+    assert slurm_log(tmp_path) == ["step-started", "step-got-term", "scontrol requeue 77"]
+    srun_env = dict(line.split("=", 1) for line in (tmp_path / "srun.env").read_text().splitlines())
+    assert srun_env["SRUN_CPUS_PER_TASK"] == "6"  # srun would give each task one CPU
+    assert srun_env["PPO_PREEMPTED_MARKER"] == str(tmp_path / "slurm-77.preempted")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in srun_env  # fixed node count: not needed
+
+
+def test_slurm_script_passes_on_a_failure_without_marker_or_signal_and_does_not_requeue(tmp_path):
+    (tmp_path / "slurm-77.preempted").write_text("left by an earlier start")  # stale: removed
+    proc = start_slurm_script(tmp_path, STEP_FAILS="1")
+    stdout, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1, stdout
+    assert slurm_log(tmp_path) == ["step-started"] and "requeue" not in stdout
+
+
+def test_slurm_script_requeues_at_once_on_a_warning_that_comes_before_the_launch(tmp_path):
+    # TERM while the script still looks up the head node (scontrol, held until the test lets it
+    # go): the signal is not lost, does not kill the script, and no srun starts
+    proc = start_slurm_script(tmp_path, HOLD_LOOKUP="1")
+    wait_for(tmp_path / "looking-up", "the script never looked up the head node")
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)  # bash runs the trap once scontrol returns
     (tmp_path / "go").touch()
     stdout, _ = proc.communicate(timeout=30)
-    # srun got the TERM: 75 from its trap, or 143 when it came before srun set its trap
-    assert proc.returncode in (75, 143), (proc.returncode, stdout)
-    assert "requeueing job 77" in stdout
-    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77"]
+    assert proc.returncode == 75, stdout
+    assert "signalled before the launch: requeueing job 77" in stdout
+    assert slurm_log(tmp_path) == ["scontrol requeue 77"]
+    assert not (tmp_path / "srun-invoked").exists()
 
 
 # ONEDNN_VERBOSE=1 output as oneDNN 3.x prints it (torch 2.13), with what must not count: info
