@@ -475,7 +475,7 @@ class GradBuckets:
     fp16. host: through (pinned) host copies, as `collective`. `clock` times the waits."""
 
     def __init__(self, params, flat, bucket_mb, world_size, fp16=False, host=None, clock=None):
-        self.flat, self.world_size = flat, world_size
+        self.flat, self.world_size, self.final = flat, world_size, False
         self.stats = flat[sum(p.numel() for p in params) :]  # LOSS_STATS, all-reduced too
         self.clock = clock or contextlib.nullcontext()
         self.views, self.grads_in, self.bucket_of = [], [], {}
@@ -505,7 +505,6 @@ class GradBuckets:
         if world_size > 1 and len(self.views) > 1:
             for p in params:
                 p.register_post_accumulate_grad_hook(self.grad_ready)
-        self.final = False
 
     def expect_final_grads(self):  # before the backward that leaves them (last micro-batch)
         self.missing, self.works, self.final = list(self.grads_in), [], True
@@ -769,7 +768,7 @@ def broadcast_object(obj, distributed, src=0):
     return box[0]
 
 
-def check_same_flags(args: Args, world_size):
+def check_same_flags(args: Args, rank, world_size):
     """Refuse ranks launched with different flags: they would run different collectives and hang."""
     own = ("threads", *(PER_RANK if args.rank_envs else ()))  # may differ per node or rank
     mine = {k: v for k, v in vars(args).items() if k not in own}
@@ -782,7 +781,7 @@ def check_same_flags(args: Args, world_size):
             each = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             differ.append(f"{flag(key)} ({each})")
     if differ:
-        raise ValueError(f"ranks were launched with different flags: {'; '.join(differ)}")
+        fail(f"ranks were launched with different flags: {'; '.join(differ)}", rank, world_size)
 
 
 # ---- FAILURES: one line naming the rank and the cause, peers stopped at once -----------------
@@ -1312,9 +1311,10 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
 
 
 def evaluate_checkpoint(args: Args, device, rank, world_size):
-    """--eval-checkpoint: rank 0 plays --eval-episodes games with a saved model and prints them."""
+    """--eval-checkpoint: rank 0 plays --eval-episodes games with a saved model and prints them;
+    every rank exits."""
     if rank != 0:
-        return
+        sys.exit(0)
     env = make_env(args.env_id, 0, False, "", args.frame_stack)()
     agent = Agent(env.observation_space.shape, env.action_space.n).to(device)
     try:
@@ -1323,8 +1323,8 @@ def evaluate_checkpoint(args: Args, device, rank, world_size):
         fail(e, rank, world_size)
     returns = evaluate(agent, args, device, os.path.basename(args.eval_checkpoint))
     games = f"{len(returns)} episodes, return {np.mean(returns):.2f} +- {np.std(returns):.2f}"
-    spread = f"(min {min(returns):g}, max {max(returns):g})"
-    print(f"eval {args.eval_checkpoint} on {args.env_id}: {games} {spread}")
+    print(f"eval {args.eval_checkpoint}: {games}, range [{min(returns):g}, {max(returns):g}]")
+    sys.exit(0)
 
 
 # ---- ENV BACKENDS: sync / native, and --async-envs double buffering ---------------------------
@@ -1690,7 +1690,6 @@ class Progress:
         self.args, self.start_step = args, start_step
         self.start = self.last = time.time()
         self.recent_returns, self.num_episodes = deque(maxlen=100), 0
-        self.totals = {}  # rank -> summed seconds and peak memory, for the table at the end
 
     def log(self, writer, reports, iteration, global_step, sps, charts, stats):
         """The per-iteration logging; `reports`: every rank's (MAIN gathers them)."""
@@ -1709,16 +1708,13 @@ class Progress:
         writer.add_scalar("losses/explained_variance", ev, global_step)
         writer.add_scalar("charts/SPS", sps, global_step)
         for r, rep in enumerate(reports):
-            total = self.totals.setdefault(r, {})
             writer.add_scalar(f"perf/envs/rank{r}", rep["envs"], global_step)
             for key, seconds in rep["times"].items():
                 writer.add_scalar(f"perf/{key}_s/rank{r}", seconds, global_step)
-                total[key] = total.get(key, 0.0) + seconds
             for key, share in time_shares(rep["times"]).items():
                 writer.add_scalar(f"perf/share_{key}/rank{r}", share, global_step)
             for key, value in rep["resources"].items():
                 writer.add_scalar(f"perf/{key}/rank{r}", value, global_step)
-                total[key] = max(total.get(key, 0.0), value)
         imbalance = load_imbalance([busy_seconds(rep["times"]) for rep in reports])
         writer.add_scalar("perf/imbalance", imbalance[0], global_step)
         recent = self.recent_returns
@@ -1744,21 +1740,13 @@ class Progress:
         )
 
     def summary(self, global_step, elapsed, replicas_ok):
-        """The end's lines: totals, and per-rank seconds (summed over this session) and memory."""
+        """The end's line (per-rank seconds and memory: TensorBoard's perf/ tags)."""
         mean_return = f"{np.mean(self.recent_returns):.2f}" if self.recent_returns else "n/a"
-        rows = [
+        return (
             f"done: {global_step} steps in {clock(elapsed)}, SPS {int(global_step / elapsed)}, "
             f"mean return (last {len(self.recent_returns)} episodes) {mean_return}, "
-            f"{self.num_episodes} episodes, replicas identical: {replicas_ok}",
-            "rank | rollout s | env s | update s | all-reduce s | host RSS GiB | GPU GiB",
-        ]
-        for r, t in sorted(self.totals.items()):
-            gpu = f"{t['gpu_mem_reserved_gb']:.2f}" if "gpu_mem_reserved_gb" in t else "-"
-            rows.append(
-                f"{r:>4} | {t['rollout']:>9.1f} | {t['env']:>5.1f} | {t['update']:>8.1f} | "
-                f"{t['allreduce']:>12.1f} | {t['host_rss_gb']:>12.2f} | {gpu:>7}"
-            )
-        return "\n".join(rows)
+            f"{self.num_episodes} episodes, replicas identical: {replicas_ok}"
+        )
 
 
 class EventWriter(SummaryWriter):
@@ -1800,11 +1788,10 @@ class CollectiveClock:
         self.cuda, self.events = device.type == "cuda", []
 
     def mark(self, *exc):  # entering and leaving alike: a CUDA event, else the host clock
+        now = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+        self.events.append(now)
         if self.cuda:
-            self.events.append(torch.cuda.Event(enable_timing=True))
-            self.events[-1].record()
-        else:
-            self.events.append(time.perf_counter())
+            now.record()
 
     __enter__ = __exit__ = mark
 
@@ -1832,8 +1819,8 @@ def gather_reports(report, world_size):
 def print_setup(args: Args, backend, device, torch_threads, env_threads, warnings_):
     """Rank 0's lines at start: the run, its layout and sizes, and any warnings."""
     native = f", {env_threads} per env group" if args.env_backend == "native" else ""
-    layout = f"backend {backend}, device {device.type}, {torch_threads} thread(s) per rank{native}"
-    print(f"run {args.run_name}: {args.world_size} rank(s), {layout}")
+    layout = f"backend {backend or '-'}, device {device.type}, {torch_threads} thread(s) per rank"
+    print(f"run {args.run_name}: {args.world_size} rank(s), {layout}{native}")
     sizes = "local_num_envs num_envs num_steps | local_batch_size batch_size num_minibatches | "
     for row in (sizes + "local_minibatch_size minibatch_size grad_accum num_iterations").split("|"):
         print("  " + " | ".join(f"{k} {getattr(args, k)}" for k in row.split()))
@@ -1974,29 +1961,23 @@ if __name__ == "__main__":
     torch_threads, env_threads = thread_counts(args, device, local_world_size)
     torch.set_num_threads(torch_threads)
     keep_freed_memory()
-    if args.eval_checkpoint:
+    if args.eval_checkpoint:  # evaluation only: rank 0 plays, every rank exits
         evaluate_checkpoint(args, device, rank, world_size)
-        sys.exit(0)
     if distributed:
         board_store = init_distributed(backend, rank, world_size, args.pg_timeout)
         board = FailureBoard(board_store, rank, world_size, args.pg_timeout, preemption.orphaned)
         crash_report.board = board
         sys.excepthook = crash_report  # init_process_group wrapped it; ours names the rank
-        try:
-            check_same_flags(args, world_size)
-        except ValueError as e:
-            fail(e, rank, world_size)
+        check_same_flags(args, rank, world_size)
     elif master_process:
         print("single process (launch with `torchrun --nproc_per_node=N` for data parallelism)")
-    run_name = args.run_name = broadcast_object(
-        choose_run_name(args) if master_process else None, distributed
-    )
+    name = choose_run_name(args) if master_process else None  # made once, told to every rank
+    run_name = args.run_name = broadcast_object(name, distributed)
     checkpointer = Checkpointer(args, run_name, rank, world_size)
     checkpointer.lock_run_dir()  # a second launch of this run, or an unwritable directory, stops
     if master_process:
-        warning_lines = [*flag_warnings, slow_bf16_warning(args, device)]
-        setup_backend = backend if distributed else "-"
-        print_setup(args, setup_backend, device, torch_threads, env_threads, warning_lines)
+        warnings_ = [*flag_warnings, slow_bf16_warning(args, device)]  # no group: no backend
+        print_setup(args, distributed and backend, device, torch_threads, env_threads, warnings_)
         if args.track:
             import wandb
 
@@ -2211,11 +2192,8 @@ if __name__ == "__main__":
             returns = evaluate(agent, args, device, run_name)
             for idx, episodic_return in enumerate(returns):
                 writer.add_scalar("eval/episodic_return", episodic_return, idx)
-            print(
-                f"eval {model_path}: {len(returns)} episodes, return {np.mean(returns):.2f} "
-                f"+- {np.std(returns):.2f}",
-                flush=True,
-            )
+            mean, std = np.mean(returns), np.std(returns)
+            print(f"eval {model_path}: {len(returns)} episodes, return {mean:.2f} +- {std:.2f}")
         writer.close()
         if args.track:
             wandb.finish()
