@@ -122,7 +122,7 @@ log "Submitted as: \`${submit[*]} benchmark/slurm.sbatch ${flags[*]} --seed S\`"
 for case in warning preemption; do
   seed=$([ "$case" = warning ] && echo 1 || echo 2)
   job=$("${submit[@]}" "$repo/benchmark/slurm.sbatch" "${flags[@]}" --seed "$seed") || exit 1
-  wait_until 300 in_output "$job" "^iter 5/" || { log "job $job never reached iteration 5"; exit 1; }
+  wait_until 300 in_output "$job" "^iter 5/" || { log "job $job never got to iteration 5"; exit 1; }
   if [ "$case" = warning ]; then
     signal=(scancel --batch --signal=TERM "$job")  # what --signal=B:TERM@120 sends
   else
