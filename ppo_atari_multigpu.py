@@ -1156,8 +1156,8 @@ class Checkpointer:
                 error = f"no checkpoint in {self.dir} loads (tried {tried}); nothing was "
                 error += "overwritten: move them away, or use another --run-name, to start over"
             if auto and not files and os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
-                error = f"SLURM requeued this job; no rank finds a checkpoint in {self.dir} (on "
-                error += "a node-local disk?): run in a shared directory, or give --resume PATH"
+                error = f"SLURM requeued this job; no rank finds a checkpoint in {self.dir} (a "
+                error += "node-local disk?): give --resume PATH, or submit anew to start over"
             if auto and not files and look_around:  # a requeue at another world size?
                 error = run_at_other_world_size(self.args, self.run_name) or error
         found = (ckpt, error, path, socket.gethostname())

@@ -12,7 +12,6 @@ import sys
 import numpy as np
 import pytest
 from conftest import SCRIPT, TINY
-from test_run_edges import SIGTERM_IN_THE_LAST_ITERATION
 
 import ppo_atari_multigpu as ppo
 
@@ -20,6 +19,22 @@ import ppo_atari_multigpu as ppo
 # preemption's), which multiprocessing would make wait for them
 FLAGS = [*TINY, "--total-timesteps", "128", "--eval-episodes", "0", "--resume", "auto"]
 FLAGS += ["--async-envs"]
+
+
+# The process sends itself SIGTERM in iteration 2's rollout: 2 env groups, each waited for once a
+# step, 32 steps an iteration. The rollout stops; iteration 1's state (step 64) is saved.
+SIGTERM_IN_AN_ASYNC_ROLLOUT = """import os, runpy, signal, sys
+import gymnasium as gym
+step_wait, calls = gym.vector.AsyncVectorEnv.step_wait, []
+def wait_then_sigterm(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 70:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return step_wait(self, *args, **kwargs)
+gym.vector.AsyncVectorEnv.step_wait = wait_then_sigterm
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 def run(cwd, *flags, wrapper=None, **env_vars):
@@ -56,7 +71,7 @@ def hold_lock(cwd, line):
 def test_a_preempted_run_leaves_the_marker_and_its_requeue_resumes_past_the_earlier_starts_lock(
     tmp_path,
 ):
-    (tmp_path / "preempt.py").write_text(SIGTERM_IN_THE_LAST_ITERATION)
+    (tmp_path / "preempt.py").write_text(SIGTERM_IN_AN_ASYNC_ROLLOUT)
     marker = tmp_path / "slurm-77.preempted"
     first = run(
         tmp_path,
@@ -68,7 +83,7 @@ def test_a_preempted_run_leaves_the_marker_and_its_requeue_resumes_past_the_earl
         PPO_PREEMPTED_MARKER=str(marker),
     )
     assert first.returncode == ppo.PREEMPTED, first.stderr[-2000:]
-    final = "runs/r/checkpoints/ckpt_000000000128.pt"
+    saved = "runs/r/checkpoints/ckpt_000000000064.pt"
     assert marker.read_text() == "rank 0: SIGTERM\n"  # the script requeues on it
     # the requeued start (restart 1) meets the lock of the first, whose node is gone but whose
     # lock stays held (NFS): it warns and goes on; the run ends at its total
@@ -81,7 +96,7 @@ def test_a_preempted_run_leaves_the_marker_and_its_requeue_resumes_past_the_earl
     assert requeued.returncode == 0, requeued.stderr[-2000:]
     warning = "warning: runs/r/lock is held by an earlier start of this job "
     assert f"{warning}(host gone, pid 1, slurm job 77 restart 0): going on" in requeued.stderr
-    assert f"resumed {final}" in requeued.stdout and "done: 128 steps" in requeued.stdout
+    assert f"resumed {saved}" in requeued.stdout and "done: 128 steps" in requeued.stdout
 
 
 @pytest.mark.parametrize(
