@@ -8,10 +8,10 @@
 # priority, detached (setsid + nohup), in LONG_RUN_DIR/GAME_sSEED (default /work/long_runs): outside
 # the checkout, so a fresh clone neither carries nor deletes it. Every launch appends a line with
 # its date, commit and command to launches.log; the trainer's output goes to train.log.
-# --keep copies the events, logs and (at the end) the model file to
-# benchmark/results/long_runs/GAME_sSEED/, the results a commit keeps (checkpoints stay out of
-# git: 20 MB each). A launch whose run directory is gone starts from a checkpoint found there,
-# if one was put there by hand, else from step 0.
+# --keep copies the events, logs, the newest checkpoint (20 MB; older kept ones are removed) and
+# (at the end) the model file to benchmark/results/long_runs/GAME_sSEED/, what a commit keeps: a
+# session's run directory does not outlive the machine. A launch whose run directory is gone
+# starts from the checkpoint kept there, else from step 0.
 # With the kernel's sched_autogroup on (the default), nice only ranks processes within their
 # session: `echo 0 > /proc/sys/kernel/sched_autogroup_enabled` lets other work come first.
 set -euo pipefail
@@ -38,6 +38,11 @@ if [ "$mode" = keep ]; then
   cp "$dir"/launches.log "$dir"/train.log "$kept"/
   cp "$dir/runs/$run_name"/events.out.tfevents.* "$kept"/ 2>/dev/null || true
   cp "$dir/runs/$run_name"/*.model "$kept"/ 2>/dev/null || true
+  newest=$(ls "$dir/runs/$run_name/checkpoints"/ckpt_*.pt 2>/dev/null | sort | tail -n 1)
+  if [ -n "$newest" ]; then
+    find "$kept" -name 'ckpt_*.pt' ! -name "$(basename "$newest")" -delete
+    cp "$newest" "$kept"/
+  fi
   ls -la "$kept"
   exit 0
 fi

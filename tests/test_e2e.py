@@ -81,8 +81,6 @@ def test_torchrun_two_ranks_with_tiny_target_kl_finishes_and_writes_cleanrl_tags
     for it, (_, imbalance) in enumerate(tags["perf/imbalance"]):
         b = [busy_s for _, i, busy_s in busy if i == it]
         assert abs(imbalance - max(b) / (sum(b) / 2)) < 1e-5, (imbalance, b)
-    table = out.stdout[out.stdout.index("rank | rollout s") :].splitlines()
-    assert [row.split("|")[0].strip() for row in table[1:3]] == ["0", "1"]
     # Stopping after the first epoch is what it did: the same run with 1 epoch ends identical.
     out = run_trainer(
         *TINY,
