@@ -1155,7 +1155,7 @@ class Checkpointer:
                 tried = ", ".join(os.path.basename(f) for f in reversed(files))
                 error = f"no checkpoint in {self.dir} loads (tried {tried}); nothing was "
                 error += "overwritten: move them away, or use another --run-name, to start over"
-            if auto and not files and os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+            if auto and not files and os.environ.get("PPO_RESUME_EXPECTED") == "1":  # sbatch's
                 error = f"SLURM requeued this job; no rank finds a checkpoint in {self.dir} (a "
                 error += "node-local disk?): give --resume PATH, or submit anew to start over"
             if auto and not files and look_around:  # a requeue at another world size?

@@ -169,14 +169,19 @@ def test_slurm_script_requeues_a_preempted_step_it_was_not_signalled_for_and_giv
     assert srun_env["SRUN_CPUS_PER_TASK"] == "6"  # srun would give each task one CPU
     assert srun_env["PPO_PREEMPTED_MARKER"] == str(tmp_path / "slurm-77.preempted")
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in srun_env  # fixed node count: not needed
+    # the job's first launch: nothing to resume yet; its requeue must find a checkpoint
+    assert "PPO_RESUME_EXPECTED" not in srun_env and (tmp_path / "slurm-77.launched").exists()
 
 
 def test_slurm_script_passes_on_a_failure_without_marker_or_signal_and_does_not_requeue(tmp_path):
     (tmp_path / "slurm-77.preempted").write_text("left by an earlier start")  # stale: removed
+    (tmp_path / "slurm-77.launched").touch()  # a requeued start: an earlier one launched
     proc = start_slurm_script(tmp_path, STEP_FAILS="1")
     stdout, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1, stdout
     assert slurm_log(tmp_path) == ["step-started"] and "requeue" not in stdout
+    assert "PPO_RESUME_EXPECTED=1" in (tmp_path / "srun.env").read_text().splitlines()
+    assert not (tmp_path / "slurm-77.launched").exists()  # the job ended: nothing left
 
 
 def test_slurm_script_requeues_at_once_on_a_warning_that_comes_before_the_launch(tmp_path):
@@ -192,6 +197,7 @@ def test_slurm_script_requeues_at_once_on_a_warning_that_comes_before_the_launch
     assert "signalled before the launch: requeueing job 77" in stdout
     assert slurm_log(tmp_path) == ["scontrol requeue 77"]
     assert not (tmp_path / "srun-invoked").exists()
+    assert not (tmp_path / "slurm-77.launched").exists()  # its requeue starts afresh
 
 
 # ONEDNN_VERBOSE=1 output as oneDNN 3.x prints it (torch 2.13), with what must not count: info

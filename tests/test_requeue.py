@@ -138,7 +138,7 @@ def test_the_lock_names_the_slurm_job_and_its_restart_count(tmp_path, monkeypatc
 
 def test_a_requeued_job_that_finds_no_checkpoint_stops_and_says_so(tmp_path):
     # e.g. runs/ on the local disk of the node the job ran on before: no silent start from step 0
-    out = run(tmp_path, *FLAGS, "--run-name", "r", SLURM_RESTART_COUNT="1")
+    out = run(tmp_path, *FLAGS, "--run-name", "r", SLURM_RESTART_COUNT="1", PPO_RESUME_EXPECTED="1")
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("error")]
     assert line.startswith("error: SLURM requeued this job; no rank finds a checkpoint in ")
