@@ -7,7 +7,8 @@ First a fault-free warm-up (~60 s in its own directory) measures the steady SPS 
 times of its charts/SPS events (`--warmup-sps N` gives it instead). Then the soak: the run lives
 in a temporary directory whose runs/ is a small tmpfs (mounted here: root only, else the full-disk
 fault is left out), and 30-90 s after the run has recovered from the last fault comes the next
-(kind, target and duration drawn from random.Random(seed)):
+(gap, target and duration drawn from random.Random(seed); the kinds in a seeded order, each once
+before any comes again):
   kill_rank      SIGKILL of a worker rank: torchrun restarts the group (--max-restarts=3)
   stop_rank      SIGSTOP of a rank past the failure board's limit (10 s), then SIGCONT
   preempt        SIGTERM to torchrun: the ranks save and exit 75
@@ -35,6 +36,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,8 +167,8 @@ class Job:
         return Path(self.launches[launch]["log"]).read_text(errors="replace").splitlines()
 
     def kill(self):
-        """A hung launch: everything in its session."""
-        for pid in sessions_processes({self.proc.pid}):
+        """A hung launch, or the soak interrupted: every process of every launch."""
+        for pid in sessions_processes({launch["pid"] for launch in self.launches}):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -238,33 +240,41 @@ def wait_for_recovery(job, fault, sps, ckpt_dir):
             back = job.starts > starts0 and job.step > step0
         if back:
             job.poll()
-            fault["notes"] = [short(line) for t, line in job.notes if t >= t0]
+            fault["notes"] = gist([line for t, line in job.notes if t >= t0])
             lost = time.time() - t0 - (job.step - step0) / sps
             fault.update(recovered=True, lost=max(lost, 0.0))
             return
         time.sleep(0.25)
-    fault["notes"] = [short(line) for t, line in job.notes if t >= t0]
+    fault["notes"] = gist([line for t, line in job.notes if t >= t0])
     fault.update(recovered=False, lost=time.time() - t0)
     job.kill()  # hung: the next launch starts over from the newest checkpoint
 
 
-def short(line):
-    """A trainer line for a table cell: its gist, no pipes."""
-    line = line.split(", continue with:")[0].split("; environments start")[0]
-    line = re.sub(r"runs/chaos/checkpoints/ckpt_0*(\d+)\.pt", r"ckpt \1", line)
-    return (line if len(line) <= 140 else line[:137] + "...").replace("|", "/")
+def gist(lines):
+    """The trainer's lines for a table cell: no pipes, and a line repeated with other numbers
+    (a failed save per iteration on a full disk) once, with its count."""
+    counts = {}
+    for line in lines:
+        line = line.split(", continue with:")[0].split("; environments start")[0]
+        line = re.sub(r"runs/chaos/checkpoints/ckpt_0*(\d+)\.pt", r"ckpt \1", line)
+        line = (line if len(line) <= 140 else line[:137] + "...").replace("|", "/")
+        counts.setdefault(re.sub(r"\d+", "N", line), []).append(line)
+    return [f"{same[0]} (x{len(same)})" if len(same) > 1 else same[0] for same in counts.values()]
 
 
-def soak(job, rng, kinds, minutes, gap, sps, runs):
-    """Faults until `minutes` have passed; then a SIGTERM. Returns the faults and the stop."""
-    ckpt_dir, faults = runs / RUN / "checkpoints", []
+def soak(job, rng, kinds, minutes, gap, sps, runs, at_least=0):
+    """Faults until `minutes` have passed and `at_least` were injected; then a SIGTERM. Returns
+    the faults, the start and the stop."""
+    ckpt_dir, faults, deck = runs / RUN / "checkpoints", [], []
     start = time.time()
     job.launch()
     next_at = start + rng.uniform(*gap)
-    while time.time() < start + 60 * minutes:
+    while time.time() < start + 60 * minutes or len(faults) < at_least:
         job.keep_running()
         if time.time() >= next_at and job.ready:
-            kind, rank = rng.choice(kinds), rng.randrange(RANKS)
+            if not deck:  # every kind once, in a seeded order, before any comes again
+                deck = rng.sample(kinds, len(kinds))
+            kind, rank = deck.pop(), rng.randrange(RANKS)
             hold = rng.uniform(15, 25) if kind == "stop_rank" else rng.uniform(20, 40)
             saved = (checkpoint_steps(ckpt_dir) or [0])[-1]
             fault = dict(kind=kind, t=time.time(), step=job.step, starts=job.starts, saved=saved)
@@ -304,11 +314,14 @@ def warmup_sps(cmd, workdir, seconds):
     workdir.mkdir()
     job = Job(workdir, cmd)
     job.launch()
-    while not job.ready and job.poll():
-        time.sleep(0.5)
-    time.sleep(seconds)
-    job.proc.send_signal(signal.SIGTERM)
-    job.proc.wait(timeout=120)
+    try:
+        while not job.ready and job.poll():
+            time.sleep(0.5)
+        time.sleep(seconds)
+        job.proc.send_signal(signal.SIGTERM)
+        job.proc.wait(timeout=120)
+    finally:
+        job.kill()  # nothing once it has stopped; all of it if the soak was interrupted
     events = sps_events(workdir / "runs" / RUN)[3:]
     return (events[-1].step - events[0].step) / (events[-1].wall_time - events[0].wall_time)
 
@@ -408,7 +421,7 @@ def report(args, cmd, kinds, sps, sps_from, start, stop, faults, checks, goodput
     ]
     for f in faults:
         exits = [f"exit: {e}" for e in f["exits"]]
-        outcome = "<br>".join([f"at step {f['step']}", *dict.fromkeys(f["notes"]), *exits])
+        outcome = "<br>".join([f"at step {f['step']}", *f["notes"], *exits])
         ok = "yes" if f["recovered"] else "**no** (killed as hung)"
         out.append(
             f"| {f['t'] - start:.0f} | {f['kind']} | {f['target']} | {outcome} | {ok} "
@@ -439,6 +452,7 @@ def main():
     parser.add_argument("--warmup-seconds", type=float, default=60.0)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--gap", type=float, nargs=2, default=[30.0, 90.0], metavar=("LO", "HI"))
+    parser.add_argument("--faults", type=int, default=0, help="at least this many, past M")
     parser.add_argument("extra", nargs="*", help="after --: more trainer flags")
     args = parser.parse_args()
     out = args.out or ROOT / f"benchmark/results/chaos-seed{args.seed}.md"
@@ -446,29 +460,38 @@ def main():
     ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: workers orphaned by torchrun's
     # death come to us, so their exit codes can be read and no zombie stays
     work = Path(tempfile.mkdtemp(prefix="chaos-"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM cleans up too
     if args.warmup_sps:
         sps, sps_from = args.warmup_sps, "given by --warmup-sps"
     else:
         sps = warmup_sps(cmd, work / "warmup", args.warmup_seconds)
         sps_from = f"a {args.warmup_seconds:g} s warm-up of the same launch, events after the 3rd"
-    (work / "soak" / "runs").mkdir(parents=True)
-    runs = work / "soak" / "runs"
+    runs, kinds = work / "soak" / "runs", list(args.kinds)
+    runs.mkdir(parents=True)
     mount = ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(runs)]
-    kinds = list(args.kinds)
-    if subprocess.run(mount, capture_output=True).returncode != 0 and "full_disk" in kinds:
+    mounted = "full_disk" in kinds and subprocess.run(mount, capture_output=True).returncode == 0
+    if "full_disk" in kinds and not mounted:
         kinds.remove("full_disk")  # not root: the other kinds still run
         print("no tmpfs could be mounted: the full-disk fault is left out", file=sys.stderr)
     job = Job(work / "soak", cmd)
-    faults, start, stop = soak(job, rng, kinds, args.minutes, args.gap, sps, runs)
+    try:
+        faults, start, stop = soak(job, rng, kinds, args.minutes, args.gap, sps, runs, args.faults)
+    except BaseException:
+        job.kill()
+        if mounted:
+            subprocess.run(["umount", "-l", str(runs)], capture_output=True)
+        raise
     seconds = stop["t"] - start
     checks, goodput = run_checks(job, runs, stop, sps, seconds, faults, args.extra)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report(args, cmd, kinds, sps, sps_from, start, stop, faults, checks, goodput))
     passed = all(ok for _, ok, _ in checks)
     if passed:
-        subprocess.run(["umount", str(runs)], capture_output=True)
+        if mounted:
+            subprocess.run(["umount", str(runs)], check=True)
+        shutil.rmtree(work)
     else:  # the evidence stays: its logs and, mounted, its run directory
-        print(f"kept {work} (umount {runs} when done)", file=sys.stderr)
+        print(f"kept {work}" + (f" (umount {runs} when done)" if mounted else ""), file=sys.stderr)
     failed = [name for name, ok, _ in checks if not ok]
     print(
         f"chaos seed {args.seed}: {len(faults)} faults in {seconds:.0f} s, goodput {goodput:.3f}, "
