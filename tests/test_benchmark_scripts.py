@@ -377,3 +377,27 @@ def test_uneven_splits_become_trainer_flags_and_the_table_compares_each_with_equ
     assert "| 1.30 (1.30–1.30) | 6 + 2 | 2.00 / 4.00 | 1.30 |" in rows["hog", "auto"]
     assert "failed: boom" in rows["hog", "6,2"]
     assert "envs 4 4 -> 6 2, imbalance 1.35 -> 1.18 (predicted)" in md
+
+
+def test_chaos_soak_kills_a_rank_sees_the_run_resume_and_checks_it_from_its_files(tmp_path):
+    # the shortest soak: one SIGKILL of a rank as soon as the run trains (--gap 0 0), then the
+    # final SIGTERM and the checks; --warmup-sps 1 skips the warm-up (goodput is not judged here)
+    out = tmp_path / "chaos.md"
+    cmd = [sys.executable, str(ROOT / "benchmark/chaos.py"), "--minutes", "0", "--faults", "1"]
+    cmd += ["--seed", "1", "--warmup-sps", "1", "--kinds", "kill_rank", "--gap", "0", "0"]
+    cmd += ["--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stdout, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # chaos.py kills its runs on a TERM
+        stdout, _ = proc.communicate()
+    report = out.read_text()
+    assert proc.returncode == 0, stdout + report
+    rows = [line.split(" | ") for line in report.splitlines() if line.startswith("| ")]
+    fault = next(row for row in rows if row[1] == "kill_rank")
+    assert "died without a word" in fault[3] and fault[4] == "yes", fault  # named, recovered
+    checks = {row[0][2:]: row[1] for row in rows if row[1] in ("pass", "**FAIL**")}
+    assert len(checks) == 7 and set(checks.values()) == {"pass"}, checks
+    logged = next(row[2] for row in rows if row[0] == "| charts/SPS logged once per iteration")
+    assert int(logged.split(" steps to ")[0]) >= 2, logged  # trained past the killed iteration
