@@ -694,7 +694,7 @@ def check_launch(env):
     if int(env.get("WORLD_SIZE", 1)) > 1:
         also = "or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for every process"
         raise ValueError(
-            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: torchrun ({also})"
+            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: launch with torchrun ({also})"
         )
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
         # srun's tasks have a SLURM_STEP_ID; a batch script's own python does not (it is one)
@@ -1182,7 +1182,7 @@ class Checkpointer:
         ours = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         for group in ckpt["optimizer"]["param_groups"]:
             if foreign := sorted(group.keys() - ours.keys() - {"params"}):  # e.g. Adam's betas
-                msg = f"{path} was saved by another optimizer (its {', '.join(foreign)}): a new run"
+                msg = f"{path} is another optimizer's (its {', '.join(foreign)}): start a new run"
                 fail(msg, self.rank, self.world_size)
             group.update(ours)
         optimizer.load_state_dict(ckpt["optimizer"])
