@@ -968,10 +968,6 @@ def checkpoint_files(ckpt_dir):
     return sorted(ours, key=lambda path: int(steps[path]))
 
 
-def latest_checkpoint(ckpt_dir):
-    return next(reversed(checkpoint_files(ckpt_dir)), None)
-
-
 def save_file(obj, path):
     """torch.save to a temp file, fsync, rename: a crash or full disk mid-write leaves the older
     file intact. Any error removes the temp file and is raised as the OSError behind it."""
@@ -1220,7 +1216,7 @@ class Checkpointer:
         except OSError as e:  # the older checkpoints are intact: the next save tries again
             error = f"checkpoint at step {global_step} was not saved: {one_line(e, 160)}"
             if iteration == a.num_iterations and not now:  # MAIN stops the run with it
-                last = latest_checkpoint(self.dir)
+                last = next(reversed(checkpoint_files(self.dir)), None)
                 last = f"the last good one is {last}" if last else "no checkpoint of it was saved"
                 self.save_error = f"the final {error}; {last}"
             else:
@@ -1717,11 +1713,11 @@ class Progress:
                 writer.add_scalar(f"perf/{key}/rank{r}", value, global_step)
         imbalance = load_imbalance([busy_seconds(rep["times"]) for rep in reports])
         writer.add_scalar("perf/imbalance", imbalance[0], global_step)
-        recent = self.recent_returns
-        if line := self.line(iteration, global_step, sps, recent, self.num_episodes, imbalance):
+        if line := self.line(iteration, global_step, sps, imbalance):
             print(line, flush=True)
+        writer.flush()  # each iteration: a failed write is seen and its scalars kept
 
-    def line(self, iteration, global_step, sps, recent_returns, num_episodes, imbalance):
+    def line(self, iteration, global_step, sps, imbalance):
         """The line at the first and last iteration and every --print-every seconds, else None."""
         now, args = time.time(), self.args
         first = global_step - self.start_step <= args.batch_size
@@ -1730,6 +1726,7 @@ class Progress:
         self.last = now
         rate = (global_step - self.start_step) / max(now - self.start, 1e-9)
         eta = (args.num_iterations * args.batch_size - global_step) / max(rate, 1e-9)
+        recent_returns, num_episodes = self.recent_returns, self.num_episodes
         mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "-"
         ratio, slow = imbalance
         slowest = f" | imbalance {ratio:.2f}: rank {slow} is slowest" if ratio > 1.05 else ""
@@ -1750,34 +1747,46 @@ class Progress:
 
 
 class EventWriter(SummaryWriter):
-    """A SummaryWriter whose failed write (full disk) warns once, then drops events, not the run."""
+    """A SummaryWriter that a full disk cannot stop or thin out: the scalars since its last good
+    flush are kept (the newest 100k) and, once a write succeeds again, go to a new events file
+    whose purge step hides what the failed file holds of them. flush() once per iteration."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.failed, hook = False, threading.excepthook
+        self.kept, self.failed_at, hook = deque(maxlen=100_000), None, threading.excepthook
+        # its writer thread's error comes back through write(), without a traceback
+        threading.excepthook = lambda a: type(a.thread).__name__ == "_AsyncWriterThread" or hook(a)
 
-        def quiet(a):  # its writer thread's error comes back through safely()
-            if type(a.thread).__name__ != "_AsyncWriterThread":
-                hook(a)
-
-        threading.excepthook = quiet
-
-    def safely(self, write, *args, **kwargs):
+    def write(self, method, *args, **kwargs):
         try:
-            if not self.failed:
-                write(*args, **kwargs)
+            if self.failed_at is None:
+                return method(*args, **kwargs) or True
         except Exception as e:
-            self.failed = True
-            warn(f"TensorBoard events are no longer written: {one_line(e, 160)}; training goes on")
+            self.failed_at = time.time()
+            warn(f"TensorBoard events wait in memory: {one_line(e, 160)}; training goes on")
 
-    def add_scalar(self, *args, **kwargs):
-        self.safely(super().add_scalar, *args, **kwargs)
+    def add_scalar(self, tag, value, step, walltime=None):
+        self.kept.append((tag, value, step, walltime or time.time()))
+        self.write(super().add_scalar, tag, value, step, walltime)
 
     def add_text(self, *args, **kwargs):
-        self.safely(super().add_text, *args, **kwargs)
+        self.write(super().add_text, *args, **kwargs)
+
+    def flush(self, now=False):
+        retry = self.failed_at is not None and (now or time.time() - self.failed_at > 30)
+        if retry:  # a new file (the failed one is left as it is), all kept scalars again
+            self.file_writer = self.all_writers = self.failed_at = None
+            self.purge_step = min((step for _, _, step, _ in self.kept), default=None)
+            for scalar in self.kept:
+                self.write(SummaryWriter.add_scalar, self, *scalar)
+        if self.write(super().flush):
+            if retry:
+                print(f"TensorBoard events written again ({len(self.kept)} kept)", flush=True)
+            self.kept.clear()
 
     def close(self):
-        self.safely(super().close)
+        self.flush(now=True)
+        self.write(super().close)
 
 
 class CollectiveClock:

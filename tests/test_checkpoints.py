@@ -51,7 +51,7 @@ def test_crash_between_write_and_rename_keeps_the_previous_checkpoint(tmp_path, 
     with pytest.raises(Crash):
         ppo.save_checkpoint(small_checkpoint(2), str(tmp_path), keep=3)
     assert os.path.exists(tmp_path / "ckpt_000000000128.pt.tmp")  # the half-done write is there...
-    assert ppo.latest_checkpoint(str(tmp_path)) == good  # ...but resume never picks it
+    assert ppo.checkpoint_files(str(tmp_path))[-1] == good  # ...but resume never picks it
     assert ppo.load_checkpoint(good, agent())["iteration"] == 1
 
 
@@ -403,7 +403,8 @@ def test_killed_rank_is_restarted_by_torchrun_and_the_run_resumes_to_the_request
     assert "resumed" in stdout and "iter 16/16" in stdout
     run_dirs = glob.glob(str(tmp_path / "runs/*"))
     assert len(run_dirs) == 1  # the restart found its own run, not a new one
-    final = ppo.load_checkpoint(ppo.latest_checkpoint(run_dirs[0] + "/checkpoints"), agent())
+    newest = ppo.checkpoint_files(run_dirs[0] + "/checkpoints")[-1]
+    final = ppo.load_checkpoint(newest, agent())
     assert (final["iteration"], final["global_step"]) == (16, 2048)
     steps = [s for s, _ in scalar_tags(run_dirs[0])["charts/SPS"]]
     assert steps == list(range(128, 2049, 128))  # every iteration once, none lost, none twice
@@ -417,7 +418,7 @@ def test_checkpoints_are_named_and_pruned_by_global_step_across_a_larger_batch(t
         ppo.save_checkpoint(small_checkpoint(iteration), str(tmp_path), keep=3)
     newest = dict(small_checkpoint(137), global_step=137 * 128)
     path = ppo.save_checkpoint(newest, str(tmp_path), keep=3)
-    assert os.path.exists(path) and ppo.latest_checkpoint(str(tmp_path)) == path
+    assert os.path.exists(path) and ppo.checkpoint_files(str(tmp_path))[-1] == path
     assert len(os.listdir(tmp_path)) == 3 and not os.path.exists(tmp_path / "ckpt_000000009600.pt")
 
 

@@ -198,6 +198,32 @@ def test_a_final_save_on_a_full_disk_exits_1_with_one_line_naming_the_last_good_
         assert max(steps) < 64 * iterations, steps
 
 
+def test_tensorboard_events_written_on_a_full_disk_come_back_once_each_when_space_returns(
+    tmp_path, small_disk
+):
+    runs = small_disk("64m")
+    flags = ["--total-timesteps", 64 * 12, "--save-interval", 0, "--eval-episodes", 0]
+    with trainer(tmp_path, *flags, "--run-name", "r", watch="stdout") as proc:
+        read_until(proc.stdout, lambda x: x.startswith("iter 2/12 "), "iter 2", tmp_path / "e")
+        proc.send_signal(signal.SIGSTOP)
+        filler = fill(runs)  # nothing fits: ~1.2 KB of events per iteration fail within 4
+        proc.send_signal(signal.SIGCONT)
+        read_until(proc.stdout, lambda x: x.startswith("iter 8/12 "), "iter 8", tmp_path / "e")
+        proc.send_signal(signal.SIGSTOP)
+        filler.unlink()  # space comes back; the end of the run writes what waited
+        proc.send_signal(signal.SIGCONT)
+        stdout = proc.stdout.read()
+        code = proc.wait()
+    stderr = (tmp_path / "stderr.log").read_text()
+    assert code == 0, stderr[-3000:]
+    failed = [x for x in stderr.splitlines() if "TensorBoard events wait in memory" in x]
+    assert len(failed) == 1 and "No space left on device" in failed[0], stderr[-3000:]
+    assert "TensorBoard events written again" in stdout
+    assert len(glob.glob(str(runs / "r/events.out.tfevents.*"))) == 2  # the failed file stays
+    steps = [step for step, _ in scalar_tags(runs / "r")["charts/SPS"]]
+    assert steps == [64 * i for i in range(1, 13)]  # every iteration once, none lost
+
+
 # ---- a checkpoint that carries code ----
 class RunsCode:
     """Unpickled, this runs a shell command: what a checkpoint from a stranger may carry."""
@@ -571,7 +597,7 @@ def test_without_a_shared_disk_a_resume_continues_from_the_node_that_holds_the_c
         second.workers(1)
         stdout, _ = preempt([first, second])
     assert "preempted (rank 0: SIGTERM" in stdout, stdout[-2000:] + first.err.text[-2000:]
-    saved = ppo.latest_checkpoint(str(a / "runs/r/checkpoints"))
+    saved = ppo.checkpoint_files(str(a / "runs/r/checkpoints"))[-1]
     assert saved is not None and glob.glob(str(b / "runs/r/checkpoints/*")) == []
     step = torch.load(saved, weights_only=True)["global_step"]
     iteration = step // BATCH + 1

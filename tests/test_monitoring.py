@@ -28,10 +28,12 @@ def progress(print_every=10.0):
 
 def test_progress_line_names_the_slow_rank_only_when_the_imbalance_matters():
     p = progress()
-    line = p.line(1, 128, 400, [1.0, 3.0], 2, (1.30, 1))
+    p.recent_returns.extend([1.0, 3.0])
+    p.num_episodes = 2
+    line = p.line(1, 128, 400, (1.30, 1))
     assert line.startswith("iter 1/100 | step 128 | ") and "SPS 400 | return 2.00" in line
     assert "ETA" in line and line.endswith("| imbalance 1.30: rank 1 is slowest")
-    assert "imbalance" not in progress().line(1, 128, 400, [], 0, (1.02, 1))
+    assert "imbalance" not in progress().line(1, 128, 400, (1.02, 1))
 
 
 def test_progress_lines_come_every_print_every_seconds_and_at_the_first_and_last(monkeypatch):
@@ -41,13 +43,11 @@ def test_progress_lines_come_every_print_every_seconds_and_at_the_first_and_last
     printed = []
     for iteration in range(1, 101):
         clock[0] += 0.5  # 2 iterations per second
-        if p.line(iteration, iteration * 128, 256, [], 0, (1.0, 0)):
+        if p.line(iteration, iteration * 128, 256, (1.0, 0)):
             printed.append(iteration)
     assert printed == [1, 21, 41, 61, 81, 100]
     # at iteration 100 of 100 the ETA is zero; elapsed counts from the session's start
-    assert (
-        p.line(100, 12800, 256, [], 0, (1.0, 0)).split(" | ")[2] == "0:00:50 elapsed, ETA 0:00:00"
-    )
+    assert p.line(100, 12800, 256, (1.0, 0)).split(" | ")[2] == "0:00:50 elapsed, ETA 0:00:00"
 
 
 def test_collective_clock_sums_only_the_timed_blocks_and_restarts_after_each_read(monkeypatch):
