@@ -693,9 +693,8 @@ def check_launch(env):
         return
     if int(env.get("WORLD_SIZE", 1)) > 1:
         also = "or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for every process"
-        raise ValueError(
-            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: launch with torchrun ({also})"
-        )
+        unset = f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not"
+        raise ValueError(f"{unset}: launch with torchrun ({also})")
     for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
         # srun's tasks have a SLURM_STEP_ID; a batch script's own python does not (it is one)
         if int(env.get(var, 1)) > 1 and (var != "SLURM_NTASKS" or "SLURM_STEP_ID" in env):
@@ -761,10 +760,9 @@ def init_distributed(backend, rank, world_size, pg_timeout):
 
 def broadcast_object(obj, distributed, src=0):
     """Rank src's `obj` (anything picklable) on every rank."""
-    if not distributed:
-        return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    if distributed:
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -809,8 +807,7 @@ def fail(msg, rank, world_size, code=2):
     WHERE["phase"] = "exit"  # the FailureBoard's watcher: this rank leaves on purpose
     print(f"error{where}: {msg}", file=sys.stderr, flush=True)
     if world_size > 1 and not dist.is_initialized():
-        # the peers check the same input: let them print their line before torchrun stops them
-        time.sleep(2)
+        time.sleep(2)  # the peers check the same input: each prints before torchrun stops them
     leave(code, world_size > 1)
 
 
@@ -832,8 +829,7 @@ class CrashReport:
             who = who or "a peer rank died or stopped responding"
             timeout = f"--pg-timeout {self.pg_timeout:g}s"
             msg = f"{exc_type.__name__}: a collective failed: {who} ({timeout}) [{first}]"
-        posted = self.board and self.board.posted()
-        if posted:  # a peer failed first: that is why
+        if posted := self.board and self.board.posted():  # a peer failed first: that is why
             msg = f"stopping, {posted}"
         print(f"error [rank {self.rank}]: {msg}", file=sys.stderr, flush=True)
         if self.board is not None:
@@ -1088,7 +1084,7 @@ class Checkpointer:
 
     def __init__(self, args: Args, run_name, rank, world_size):
         self.args, self.run_name, self.dir = args, run_name, f"runs/{run_name}/checkpoints"
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.unlogged = rank, world_size, []
         self.save_error, self.lock, self.split, self.saved_once = None, None, None, False
         self.start = self.last_save = time.time()
 
@@ -1119,9 +1115,6 @@ class Checkpointer:
                     error = None
         if error := broadcast_object(error, self.world_size > 1):
             fail(error, self.rank, self.world_size)
-
-    def elapsed(self):
-        return time.time() - self.start
 
     def resume(self, agent, optimizer, scaler, look_around=False):
         """Load --resume into agent, optimizer and scaler on every rank; return the global step to
@@ -1187,6 +1180,7 @@ class Checkpointer:
         if ckpt["world_size"] == self.world_size:  # --balance-envs resumes the saved split
             self.split = ckpt["args"].get("rank_envs")
         self.start -= ckpt["elapsed"]  # the run's training time before this restart
+        self.unlogged = ckpt.get("unlogged", [])
         seed_everything(self.args.seed + self.rank + step)  # random streams no start has used
         if self.rank == 0:
             where = f" (on {host}, rank {holder}'s node)" if holder else ""
@@ -1210,7 +1204,8 @@ class Checkpointer:
             return None
         ckpt = {"model": agent.state_dict(), "optimizer": optimizer.state_dict()}
         ckpt |= {"scaler": scaler.state_dict(), "iteration": iteration, "global_step": global_step}
-        ckpt |= {"args": vars(a), "world_size": self.world_size, "elapsed": self.elapsed()}
+        ckpt |= {"args": vars(a), "world_size": self.world_size, "unlogged": list(self.unlogged)}
+        ckpt["elapsed"] = time.time() - self.start  # training time (EventWriter's unlogged: kept)
         try:
             t_save, path = time.time(), save_checkpoint(ckpt, self.dir, a.keep_checkpoints)
         except OSError as e:  # the older checkpoints are intact: the next save tries again
@@ -1307,8 +1302,7 @@ def evaluate(agent, args: Args, device, run_name, max_envs=16):
 
 
 def evaluate_checkpoint(args: Args, device, rank, world_size):
-    """--eval-checkpoint: rank 0 plays --eval-episodes games with a saved model and prints them;
-    every rank exits."""
+    """--eval-checkpoint: rank 0 plays --eval-episodes games with a saved model; all ranks exit."""
     if rank != 0:
         sys.exit(0)
     env = make_env(args.env_id, 0, False, "", args.frame_stack)()
@@ -1512,10 +1506,8 @@ def speed_up(agent, args: Args, overlap=False, say=None):
         if last_activation is not None:
             last_activation.register_forward_pre_hook(lambda _, inputs: (inputs[0].contiguous(),))
         elif any(p.dim() == 4 for p in agent.parameters()):
-            skipped.append(
-                "no parameter-free layer just before nn.Flatten: the last activation's "
-                "backward runs in mixed layouts (slower)"
-            )
+            slower = "the last activation's backward runs in mixed layouts (slower)"
+            skipped.append(f"no parameter-free layer just before nn.Flatten: {slower}")
     if args.compile:
         # plain attributes (state_dict unchanged); fixed shapes; get_value (sizes vary) stays eager
         fixed = dict(dynamic=False, mode="reduce-overhead" if args.cuda_graphs else None)
@@ -1619,11 +1611,9 @@ def slow_bf16_warning(args: Args, device):
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     if native and not capped and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
-    return (
-        "warning: --amp bf16 on a CPU without native bf16 for oneDNN (cpu capability "
-        f"{torch.backends.cpu.get_cpu_capability()}, ONEDNN_MAX_CPU_ISA={isa}): bf16 is emulated "
-        "here and usually several times slower than the default fp32"
-    )
+    cpu = f"cpu capability {torch.backends.cpu.get_cpu_capability()}, ONEDNN_MAX_CPU_ISA={isa}"
+    slower = "bf16 is emulated here and usually several times slower than the default fp32"
+    return f"warning: --amp bf16 on a CPU without native bf16 for oneDNN ({cpu}): {slower}"
 
 
 # ---- MONITORING: resources and time split per rank, load balance, progress line ---------------
@@ -1638,8 +1628,7 @@ def host_rss_gb():
 
 
 def gpu_util(device):
-    """NVML's % of its last sample period (1/6 to 1 s) with a kernel running. None off CUDA, or
-    without NVIDIA's management library (pynvml) and a driver that has NVML."""
+    """NVML's % of its last sample period (1/6-1 s) with a kernel running; None off CUDA or NVML."""
     try:
         return float(torch.cuda.utilization(device)) if device.type == "cuda" else None
     except Exception:
@@ -1726,14 +1715,14 @@ class Progress:
         self.last = now
         rate = (global_step - self.start_step) / max(now - self.start, 1e-9)
         eta = (args.num_iterations * args.batch_size - global_step) / max(rate, 1e-9)
-        recent_returns, num_episodes = self.recent_returns, self.num_episodes
-        mean_return = f"{np.mean(recent_returns):.2f}" if recent_returns else "-"
+        mean_return = f"{np.mean(self.recent_returns):.2f}" if self.recent_returns else "-"
         ratio, slow = imbalance
         slowest = f" | imbalance {ratio:.2f}: rank {slow} is slowest" if ratio > 1.05 else ""
         return (
             f"iter {iteration}/{args.num_iterations} | step {global_step} | "
             f"{clock(now - self.start)} elapsed, ETA {clock(eta)} | SPS {sps} | return "
-            f"{mean_return} (last {len(recent_returns)} of {num_episodes} episodes){slowest}"
+            f"{mean_return} (last {len(self.recent_returns)} of {self.num_episodes} episodes)"
+            f"{slowest}"
         )
 
     def summary(self, global_step, elapsed, replicas_ok):
@@ -1747,15 +1736,18 @@ class Progress:
 
 
 class EventWriter(SummaryWriter):
-    """A SummaryWriter that a full disk cannot stop or thin out: the scalars since its last good
-    flush are kept (the newest 100k) and, once a write succeeds again, go to a new events file
-    whose purge step hides what the failed file holds of them. flush() once per iteration."""
+    """A SummaryWriter a full disk cannot thin out: the scalars since its last good flush (once per
+    iteration; the newest 100k) wait in memory and in a checkpoint, then go to a new events file.
+    Its purge step hides what a crashed run logged after its checkpoint or the failed file holds."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, log_dir, global_step, unlogged=()):  # unlogged: from the checkpoint
+        steps = [global_step + 1 if global_step else 0, *(step for _, _, step, _ in unlogged)]
+        super().__init__(log_dir, purge_step=min(steps))
         self.kept, self.failed_at, hook = deque(maxlen=100_000), None, threading.excepthook
         # its writer thread's error comes back through write(), without a traceback
         threading.excepthook = lambda a: type(a.thread).__name__ == "_AsyncWriterThread" or hook(a)
+        for scalar in unlogged:
+            self.add_scalar(*scalar)
 
     def write(self, method, *args, **kwargs):
         try:
@@ -1765,18 +1757,19 @@ class EventWriter(SummaryWriter):
             self.failed_at = time.time()
             warn(f"TensorBoard events wait in memory: {one_line(e, 160)}; training goes on")
 
-    def add_scalar(self, tag, value, step, walltime=None):
-        self.kept.append((tag, value, step, walltime or time.time()))
+    def add_scalar(self, tag, value, step, walltime=None):  # plain numbers: a checkpoint loads them
+        self.kept.append((tag, float(value), int(step), walltime or time.time()))
         self.write(super().add_scalar, tag, value, step, walltime)
 
     def add_text(self, *args, **kwargs):
         self.write(super().add_text, *args, **kwargs)
 
     def flush(self, now=False):
-        retry = self.failed_at is not None and (now or time.time() - self.failed_at > 30)
-        if retry:  # a new file (the failed one is left as it is), all kept scalars again
+        retry = self.failed_at is not None and (now or time.time() - self.failed_at > 10)
+        if retry and shutil.disk_usage(self.log_dir).free > 2**20:  # a new file, all kept again
             self.file_writer = self.all_writers = self.failed_at = None
-            self.purge_step = min((step for _, _, step, _ in self.kept), default=None)
+            steps = [step for tag, _, step, _ in self.kept if not tag.startswith("eval/")]
+            self.purge_step = min(steps, default=None)  # (eval/ steps count games)
             for scalar in self.kept:
                 self.write(SummaryWriter.add_scalar, self, *scalar)
         if self.write(super().flush):
@@ -2016,9 +2009,8 @@ if __name__ == "__main__":
     agent = speed_up(agent, args, overlap, say=print if master_process else None)
     policy = getattr(agent, "compiled_policy", agent.get_action_and_value)  # --compile
     autocast, scaler = precision(args, device)
-    # foreach: one call per op over all tensors, bit-identical to the per-tensor loop that torch
-    # picks by default on CPU, and faster there. Not fused: it rounds differently, and a default
-    # may only change speed. --compile: fused, one kernel for the step (measured faster).
+    # foreach: bit-identical to torch's default per-tensor loop on CPU, and faster; not fused: it
+    # rounds differently, and a default may only change speed. --compile: fused (faster).
     kernel = {"fused": True} if args.compile else {"foreach": True}
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, **kernel)
     params = [p for p in agent.parameters() if p.requires_grad]  # frozen ones get no gradient
@@ -2033,9 +2025,8 @@ if __name__ == "__main__":
     global_step = checkpointer.resume(agent, optimizer, scaler, name_follows_world_size)
     start_iteration = global_step // args.batch_size + 1
     if master_process:
-        # purge_step: TensorBoard hides what a crashed run logged after its last checkpoint (all
-        # of it on a fresh start: a run that stopped before its first save left only events)
-        writer = EventWriter(f"runs/{run_name}", purge_step=global_step + 1 if global_step else 0)
+        writer = EventWriter(f"runs/{run_name}", global_step, checkpointer.unlogged)
+        checkpointer.unlogged = writer.kept  # what a full disk kept from TensorBoard: saved too
         atexit.register(writer.close)  # flush the logs even when the run fails
         table = "\n".join([f"|{k}|{v}|" for k, v in vars(args).items()])
         writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
@@ -2063,9 +2054,8 @@ if __name__ == "__main__":
         WHERE.update(phase="rollout", iteration=iteration)
         t_rollout, envs.env_time, episodes = time.perf_counter(), 0.0, []
         bootstraps.zero_()  # gamma * V(final obs) where a time limit cut a game
-        # One no-grad/autocast region for the whole rollout: the weights do not change in it, so
-        # under --amp their low-precision copies are cast once, not every step (autocast caches
-        # no casts under inference_mode, hence no_grad).
+        # One no-grad/autocast region per rollout: under --amp the weights are cast once, not every
+        # step (autocast caches no casts under inference_mode, hence no_grad)
         with torch.no_grad(), autocast:
             for step in range(args.num_steps):
                 if preemption.signalled:  # a resume discards a partial rollout: stop it now
@@ -2158,7 +2148,7 @@ if __name__ == "__main__":
         reports = gather_reports(report, world_size)
         if master_process:
             stats = dict(zip(LOSS_STATS, (stats_sum / num_updates).tolist()))  # iteration means
-            sps = int(global_step / checkpointer.elapsed())
+            sps = int(global_step / (time.time() - checkpointer.start))
             charts = {name: c.item() for name, c in coef.items()}  # scheduled or not
             charts["learning_rate"] = optimizer.param_groups[0]["lr"]
             progress.log(writer, reports, iteration, global_step, sps, charts, stats)
@@ -2191,7 +2181,8 @@ if __name__ == "__main__":
     if checkpointer.save_error:  # rank 0's final save failed: the run did not end on disk
         fail(checkpointer.save_error, rank, world_size, code=1)
     if master_process:
-        print(progress.summary(global_step, checkpointer.elapsed(), replicas_ok), flush=True)
+        training_time = time.time() - checkpointer.start
+        print(progress.summary(global_step, training_time, replicas_ok), flush=True)
         model_path = f"runs/{run_name}/{args.exp_name}.model"
         try:
             save_file(agent.state_dict(), model_path)

@@ -92,13 +92,17 @@ def test_loaded_checkpoint_equals_saved_state_exactly(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = resolved(save_interval=0)
     parts = trained_parts()
+    real_time = ppo.time.time
+    monkeypatch.setattr(ppo.time, "time", lambda: 1000.0)
     checkpointer = ppo.Checkpointer(args, "r", 0, 1)
-    checkpointer.elapsed = lambda: 12.5  # the run's training time so far
+    monkeypatch.setattr(ppo.time, "time", lambda: 1012.5)  # the run's training time so far
     path = checkpointer.maybe_save(3, 192, *parts, now=True)  # what the trainer writes
+    monkeypatch.setattr(ppo.time, "time", real_time)
 
     loaded = ppo.load_checkpoint(path, agent())
     keys = {"model", "optimizer", "scaler", "iteration", "global_step", "args", "world_size"}
-    assert set(loaded) == keys | {"elapsed"}  # no RNG states: a resume reseeds (next test)
+    assert set(loaded) == keys | {"elapsed", "unlogged"}  # no RNG states: a resume reseeds
+    assert loaded["unlogged"] == []  # EventWriter's scalars waiting for a full disk: none
     model, optimizer, scaler = (part.state_dict() for part in parts)
     for k, v in model.items():
         assert torch.equal(v, loaded["model"][k]), k

@@ -224,6 +224,44 @@ def test_tensorboard_events_written_on_a_full_disk_come_back_once_each_when_spac
     assert steps == [64 * i for i in range(1, 13)]  # every iteration once, none lost
 
 
+def test_scalars_a_full_disk_keeps_from_tensorboard_ride_in_a_checkpoint_and_log_once_on_resume(
+    tmp_path, small_disk, monkeypatch, capsys
+):
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)  # EventWriter sets it
+    events = small_disk("1m") / "r"  # the events' own disk fills; the checkpoints' does not
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    args = ppo.resolve_sizes(ppo.Args(total_timesteps=256, num_steps=32, local_num_envs=2), 1)
+
+    def parts():
+        agent = ppo.Agent((4, 84, 84), 4)
+        return agent, torch.optim.Adam(agent.parameters()), torch.amp.GradScaler(enabled=False)
+
+    def log(writer, step):  # ~3 KB a step: a full tmpfs refuses it within two pages
+        for k in range(100):
+            writer.add_scalar(f"perf/x{k}", k, step)
+        writer.add_scalar("charts/SPS", step, step)
+        writer.flush()
+
+    writer, checkpointer = ppo.EventWriter(str(events), 0), ppo.Checkpointer(args, "r", 0, 1)
+    checkpointer.unlogged = writer.kept  # as MAIN
+    log(writer, 64)
+    fill(events.parent)
+    log(writer, 128)
+    log(writer, 192)
+    assert "TensorBoard events wait in memory: [Errno 28]" in capsys.readouterr().err
+    path = checkpointer.maybe_save(3, 192, *parts(), now=True)  # then the process dies
+    os.remove(events.parent / "filler")
+    args.resume = path
+    resumed = ppo.Checkpointer(args, "r", 0, 1)
+    assert resumed.resume(*parts()) == 192
+    writer = ppo.EventWriter(str(events), 192, resumed.unlogged)
+    log(writer, 256)
+    writer.close()
+    assert [step for step, _ in scalar_tags(events)["charts/SPS"]] == [64, 128, 192, 256]
+    assert len(scalar_tags(events)["perf/x7"]) == 4
+
+
 # ---- a checkpoint that carries code ----
 class RunsCode:
     """Unpickled, this runs a shell command: what a checkpoint from a stranger may carry."""
