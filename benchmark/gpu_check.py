@@ -51,8 +51,8 @@ RESERVE_S = TABLE_S + 5  # what the steps' caps leave of TOTAL_S, at least
 NATIVE_BF16 = ["--env-backend", "native", "--amp", "bf16"]
 COMPILE, GRAPHS = ["--compile"], ["--compile", "--cuda-graphs"]
 # Trainer rows: name -> (ranks, envs per rank, flags). Ranks > 1 share GPU 0 (--device-ids 0 0).
-# The dry run keeps the names and flags (but --cuda-graphs, which the trainer refuses off CUDA)
-# and shrinks the sizes (2 envs per rank, at most 2 ranks).
+# The dry run keeps the names and flags (but see dry_flags) and shrinks the sizes (2 envs per
+# rank, at most 2 ranks).
 ROWS = {
     "1×8 sync": (1, 8, []),
     # the default --bucket-mb: the all-reduce overlapped with backward (the compiled loss's graph
@@ -86,6 +86,13 @@ def kind(step):
     return step if step in ("wheels", "preflight", "env", "update") else "row"
 
 
+def dry_flags(ranks, flags):
+    """A row's flags in the CPU dry run: no --cuda-graphs (the trainer refuses it off CUDA); only
+    multi-rank rows compile (a 1-rank compile row adds no path a CPU can check; ~15 s each)."""
+    drop = {"--cuda-graphs"} | ({"--compile"} if ranks == 1 else set())
+    return [x for x in flags if x not in drop]
+
+
 def plan(dry):
     """Sizes, steps in run order and their caps (seconds) of a GPU run or of the CPU dry run."""
     if dry:
@@ -94,10 +101,7 @@ def plan(dry):
             env_seconds=0.2,  # each measurement
             minibatches=[32],
             update_seconds=0.2,
-            rows={
-                n: (min(r, 2), 2, [x for x in f if x != "--cuda-graphs"])
-                for n, (r, _, f) in ROWS.items()
-            },
+            rows={n: (min(r, 2), 2, dry_flags(r, f)) for n, (r, _, f) in ROWS.items()},
             num_steps=16,
             iterations=2,
             warmup_iterations=1,

@@ -11,10 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "ppo_atari_multigpu.py"
 sys.path.insert(0, str(ROOT))
 
-# Tiny settings shared by the end-to-end runs: 2 envs x 32 steps, one epoch, two iterations.
+# Tiny settings shared by the end-to-end runs: 2 envs x 32 steps, one epoch, two iterations, no
+# final evaluation (10 games: ~3 s a run; a test of evaluation asks for it, the last flag wins).
 TINY = (
     "--no-cuda --local-num-envs 2 --num-steps 32 --update-epochs 1 --num-minibatches 2 "
-    "--print-every 0"  # a progress line every iteration: tests read them
+    "--eval-episodes 0 --print-every 0"  # a progress line every iteration: tests read them
 ).split()
 
 # A failure must stop every rank at once instead of leaving a peer waiting in a collective until

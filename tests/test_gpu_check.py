@@ -54,6 +54,10 @@ def test_gpu_plan_runs_preflight_then_a_1x8_row_and_a_multi_rank_row_and_the_cei
     assert ranks == 2 and "--bucket-mb" not in flags
     for flag in ("--compile", "gloo", "native", "bf16"):
         assert flag in flags, flag
+    # the CPU dry run compiles that row (the compile path every compile row shares), never graphs
+    dry = gc.plan(dry=True)["rows"]
+    assert "--compile" in dry[multi[0]][2]
+    assert "--cuda-graphs" not in {f for _, _, flags in dry.values() for f in flags}
     # then the single-rank compile and CUDA-graph rows, and the ceilings last (and trimmed)
     assert {"--compile", "--cuda-graphs"} <= {f for n in rows for f in gc.ROWS[n][2]}
     assert kinds[len(rows) + 2 :] == ["env", "update"]
